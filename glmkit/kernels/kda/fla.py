@@ -1,0 +1,34 @@
+"""fla backend (CUDA): `chunk_kda` for train and prefill, `fused_recurrent_kda` for decode."""
+
+from __future__ import annotations
+
+import torch
+
+
+def _ops():
+    try:
+        from fla.ops.kda import chunk_kda, fused_recurrent_kda
+    except ImportError as err:  # the message names the package a user installs
+        raise ImportError(
+            "KDA backend 'fla' needs flash-linear-attention (fla-core) 0.6: pip install -e '.[gpu]' "
+            f"on a CUDA machine ({err})") from err
+    return chunk_kda, fused_recurrent_kda
+
+
+def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+              use_qk_l2norm_in_kernel=False, cu_seqlens=None):
+    chunk, _ = _ops()
+    if initial_state is not None:
+        initial_state = initial_state.float()  # fla requires an fp32 state
+    return chunk(q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_state,
+                 output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                 cu_seqlens=cu_seqlens)
+
+
+def recurrent_step(q, k, v, g, beta, state):
+    """One decode token for a batch; same contract as naive.recurrent_step (inputs already normalised
+    and scaled, so the kernel is called with scale=1)."""
+    _, fused = _ops()
+    o, state = fused(q[:, None], k[:, None], v[:, None], g=g[:, None], beta=beta[:, None], scale=1.0,
+                     initial_state=state.float(), output_final_state=True)
+    return o[:, 0].float(), state

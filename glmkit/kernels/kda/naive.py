@@ -1,0 +1,117 @@
+"""Pure-torch KDA (Kimi Delta Attention): the reference every fast backend is tested against.
+
+Layout follows fla: q, k [B, T, H, K]; v [B, T, H, V]; g (log-space per-channel decay) [B, T, H, K];
+beta [B, T, H]; state [B, H, K, V] in float32. All math is float32.
+
+Recurrence per head:  S' = diag(exp g_t) S;  S = S' + beta_t k_t (v_t - S'^T k_t)^T;  o_t = S^T (scale q_t).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum x^2 + eps), the form fla's kernels use (not max(||x||, eps))."""
+    return x / torch.sqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def _prepare(q, k, v, g, beta, scale, use_qk_l2norm):
+    q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))
+    if use_qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    return q * scale, k, v, g, beta
+
+
+def recurrent_step(q, k, v, g, beta, state):
+    """One token for a batch. q, k, g [B, H, K]; v [B, H, V]; beta [B, H]; state [B, H, K, V] fp32
+    (already scaled / normalised inputs). Returns (o [B, H, V], new state)."""
+    state = state * g.exp()[..., None]
+    delta = (v - torch.einsum("bhk,bhkv->bhv", k, state)) * beta[..., None]
+    state = state + k[..., None] * delta[..., None, :]
+    return torch.einsum("bhk,bhkv->bhv", q, state), state
+
+
+def recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                  use_qk_l2norm_in_kernel=False):
+    """Token-by-token KDA over [B, T, ...]. Returns (o [B, T, H, V] in v's dtype, final state or None)."""
+    dtype = v.dtype
+    q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
+    B, T, H, K = k.shape
+    state = (torch.zeros(B, H, K, v.shape[-1], dtype=torch.float32, device=v.device)
+             if initial_state is None else initial_state.float())
+    out = []
+    for t in range(T):
+        o_t, state = recurrent_step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], state)
+        out.append(o_t)
+    o = torch.stack(out, 1) if out else v.new_zeros(B, 0, H, v.shape[-1])
+    return o.to(dtype), (state if output_final_state else None)
+
+
+def _chunk_one(q, k, v, g, beta, state, chunk_size):
+    """Chunked KDA for one sequence. q, k, g [T, H, K]; v [T, H, V]; beta [T, H]; state [H, K, V].
+
+    Inside a chunk with in-chunk cumulative log-decay G_t and new values u_t = beta_t (v_t - S'_t^T k_t):
+        u = (I + diag(beta) A)^-1 diag(beta) (v - (k * exp G) S0),  A[t, s] = sum_c k_tc k_sc exp(G_tc - G_sc), s < t
+        o_t = (q_t * exp G_t)^T S0 + sum_{s<=t} (sum_c q_tc k_sc exp(G_tc - G_sc)) u_s
+        S_end = diag(exp G_C) S0 + sum_s (k_s * exp(G_C - G_s)) u_s^T
+    Pairwise exp(G_t - G_s) (never exp(G_t) / exp(G_s)) keeps the decay products from underflowing.
+    """
+    T, H, K = k.shape
+    pad = (-T) % chunk_size
+    if pad:  # zero keys and beta, zero log-decay: padded steps leave the state unchanged
+        q, k, v, g = (torch.nn.functional.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v, g))
+        beta = torch.nn.functional.pad(beta, (0, 0, 0, pad))
+    n = (T + pad) // chunk_size
+    # [n, H, C, ...]
+    q, k, v, g = (x.view(n, chunk_size, H, -1).transpose(1, 2) for x in (q, k, v, g))
+    beta = beta.view(n, chunk_size, H).transpose(1, 2)
+    G = g.cumsum(-2)
+    diff = G[..., :, None, :] - G[..., None, :, :]  # [n, H, C(t), C(s), K]
+    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
+    decay = torch.where(causal[..., None], diff, torch.full_like(diff, float("-inf"))).exp()
+    strict = causal.clone().fill_diagonal_(False)
+    A = torch.einsum("nhtc,nhsc,nhtsc->nhts", k, k, decay).masked_fill(~strict, 0.0)
+    Aqk = torch.einsum("nhtc,nhsc,nhtsc->nhts", q, k, decay)  # causal incl. diagonal via decay
+    eye = torch.eye(chunk_size, dtype=q.dtype, device=q.device)
+    lhs = eye + beta[..., None] * A
+    u_v = torch.linalg.solve_triangular(lhs, beta[..., None] * v, upper=False, unitriangular=True)
+    w_k = torch.linalg.solve_triangular(lhs, beta[..., None] * k * G.exp(), upper=False, unitriangular=True)
+    q_decay = q * G.exp()
+    k_to_end = k * (G[..., -1:, :] - G).exp()
+    outs = []
+    for i in range(n):
+        u = u_v[i] - w_k[i] @ state
+        outs.append(q_decay[i] @ state + Aqk[i] @ u)
+        state = state * G[i, :, -1, :].exp()[..., None] + k_to_end[i].transpose(-1, -2) @ u
+    o = torch.stack(outs).transpose(1, 2).reshape(n * chunk_size, H, -1)[:T]
+    return o, state
+
+
+def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+              use_qk_l2norm_in_kernel=False, cu_seqlens=None, chunk_size=64):
+    """Chunked KDA. With `cu_seqlens` [N+1], inputs are packed as B=1 and every sequence starts from
+    its own initial state (initial_state [N, H, K, V] or zeros); the final state is [N, H, K, V]."""
+    dtype = v.dtype
+    q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
+    B, T, H, K = k.shape
+    if cu_seqlens is None:
+        bounds = [(b, 0, T) for b in range(B)]
+    else:
+        if B != 1:
+            raise ValueError(f"packed input (cu_seqlens) needs batch size 1, got {B}")
+        cu = cu_seqlens.tolist()
+        bounds = [(0, cu[i], cu[i + 1]) for i in range(len(cu) - 1)]
+    o = torch.zeros_like(v)
+    finals = []
+    for n, (b, start, end) in enumerate(bounds):
+        state = (torch.zeros(H, K, v.shape[-1], dtype=torch.float32, device=v.device)
+                 if initial_state is None else initial_state[n].float())
+        if end > start:
+            sl = slice(start, end)
+            o_seq, state = _chunk_one(q[b, sl], k[b, sl], v[b, sl], g[b, sl], beta[b, sl], state, chunk_size)
+            o[b, sl] = o_seq
+        finals.append(state)
+    return o.to(dtype), (torch.stack(finals) if output_final_state else None)

@@ -1,0 +1,42 @@
+"""The GLM-5.3-Flash text model, one set of weights and two paths over it (train, rollout)."""
+
+from __future__ import annotations
+
+import torch
+
+from glmkit.model.model import Glm5Model
+from glmkit.model.packed import Packed, pack
+from glmkit.model.rollout import Completion, RolloutEngine, SamplingParams
+from glmkit.model.train import TrainPath
+
+# Tensors the reference keeps in fp32 whatever the model dtype (transformers' _keep_in_fp32_modules_strict).
+FP32_SUFFIXES = ("e_score_correction_bias", "mlp.gate.weight", "conv1d.weight", "dt_bias", "A_log",
+                 "hc_attn_base", "hc_attn_scale", "hc_ffn_base", "hc_ffn_scale")
+
+
+def keeps_fp32(name: str) -> bool:
+    return name.endswith(FP32_SUFFIXES)
+
+
+def cast_model(model: Glm5Model, dtype: torch.dtype) -> Glm5Model:
+    """Cast to `dtype`, leaving the reference's fp32 tensors in fp32."""
+    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+        if tensor.is_floating_point():
+            tensor.data = tensor.data.to(torch.float32 if keeps_fp32(name) else dtype)
+    return model
+
+
+def load_model(path, dtype: torch.dtype | None = None, device="cpu") -> Glm5Model:
+    """Build the model from an HF checkpoint directory (safetensors, mmap-read)."""
+    from glmkit.checkpoint import open_checkpoint
+
+    ckpt = open_checkpoint(path)
+    with torch.device("meta"):
+        model = Glm5Model(ckpt.config)
+    model = model.to_empty(device=device)
+    model.load_state_dict(ckpt.state_dict(), strict=True)
+    return cast_model(model, dtype or ckpt.dtype)
+
+
+__all__ = ["Glm5Model", "TrainPath", "RolloutEngine", "SamplingParams", "Completion", "Packed", "pack",
+           "load_model", "cast_model"]

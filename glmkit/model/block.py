@@ -1,0 +1,103 @@
+"""One decoder block: mHC around the attention (KDA or DSA) and around the MLP (dense or MoE)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+from glmkit.model import mhc
+from glmkit.model.dsa import SparseMLA
+from glmkit.model.kda import KimiDeltaAttention
+from glmkit.model.mlp import MLP
+from glmkit.model.moe import MoE
+from glmkit.model.norms import RMSNorm
+from glmkit.model.packed import Packed
+
+
+@dataclass
+class Run:
+    """What one forward needs besides the tokens: the layout (packed sequences, or one decode step
+    with cache lengths), the KDA kernel backend, the DSA form, the decode cache, and an optional
+    `record(layer, site, tensor)` observer that parity captures use (sites in glmkit.model.sites)."""
+
+    kda: object
+    packed: Packed | None = None
+    lengths: torch.Tensor | None = None
+    absorbed: bool = False
+    states: list | None = None
+    record: Callable | None = None
+    topk: torch.Tensor | None = None
+    routing: dict = field(default_factory=dict)
+
+    def emit(self, layer: int, site: str, value):
+        if self.record is not None:
+            self.record(layer, site, value)
+
+
+class DecoderBlock(nn.Module):
+    def __init__(self, config, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.kind = "kda" if config.layer_types[layer] == "linear_attention" else "dsa"
+        self.is_moe = config.mlp_layer_types[layer] == "sparse"
+        n, D = config.hc_mult, config.hidden_size
+        self.hc_iters, self.hc_eps, self.norm_eps = config.hc_sinkhorn_iters, config.hc_eps, config.rms_norm_eps
+        for site in ("attn", "ffn"):
+            self.register_parameter(f"hc_{site}_fn", nn.Parameter(torch.zeros((2 + n) * n, n * D)))
+            self.register_parameter(f"hc_{site}_base", nn.Parameter(torch.zeros((2 + n) * n, dtype=torch.float32)))
+            self.register_parameter(f"hc_{site}_scale", nn.Parameter(torch.ones(3, dtype=torch.float32)))
+        self.input_layernorm = RMSNorm(D, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(D, config.rms_norm_eps)
+        if self.kind == "kda":
+            self.self_attn = KimiDeltaAttention(config)
+        else:
+            self.self_attn = SparseMLA(config, shared_indexer=config.indexer_types[layer] == "shared")
+        self.mlp = MoE(config) if self.is_moe else MLP(D, config.intermediate_size, config.swiglu_limit)
+
+    def _weights(self, site: str, streams):
+        return mhc.mix_weights(streams, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_base"),
+                               getattr(self, f"hc_{site}_scale"), self.hc_iters, self.hc_eps, self.norm_eps)
+
+    def forward(self, streams: torch.Tensor, run: Run) -> torch.Tensor:
+        """streams [T, n, D] (packed tokens, or one token per request when decoding) -> same shape."""
+        L = self.layer
+        pre, post, comb = self._weights("attn", streams)
+        run.emit(L, "attn_hc.pre", pre), run.emit(L, "attn_hc.post", post), run.emit(L, "attn_hc.comb", comb)
+        x = self.input_layernorm(mhc.collapse(streams, pre))
+        run.emit(L, "attn_in", x)
+        state = run.states[L] if run.states is not None else None
+        if self.kind == "kda":
+            if run.packed is not None:
+                out, new_state = self.self_attn.forward_packed(x, run.packed, run.kda, want_state=state is not None)
+                if state is not None:
+                    run.states[L] = new_state
+            else:
+                out = self.self_attn.forward_step(x, state, run.kda)
+        else:
+            if run.packed is not None:
+                out, topk = self.self_attn.forward_packed(x, run.packed, run.topk, run.absorbed, state)
+            else:
+                out, topk = self.self_attn.forward_step(x, run.lengths, state, run.topk)
+            run.topk = topk
+            run.emit(L, "indexer_topk", topk)
+        run.emit(L, "attn_out", out)
+        streams = mhc.expand(out, streams, post, comb)
+        run.emit(L, "streams_after_attn", streams)
+
+        pre, post, comb = self._weights("ffn", streams)
+        run.emit(L, "ffn_hc.pre", pre), run.emit(L, "ffn_hc.post", post), run.emit(L, "ffn_hc.comb", comb)
+        x = self.post_attention_layernorm(mhc.collapse(streams, pre))
+        run.emit(L, "mlp_in", x)
+        if self.is_moe:
+            out, routing = self.mlp(x, run.routing.get(L))
+            run.emit(L, "router_experts", routing.experts)
+            run.emit(L, "router_weights", routing.weights)
+        else:
+            out = self.mlp(x)
+        run.emit(L, "mlp_out", out)
+        streams = mhc.expand(out, streams, post, comb)
+        run.emit(L, "streams_after_ffn", streams)
+        return streams

@@ -1,0 +1,131 @@
+"""KDA (Kimi Delta Attention) layer: gated delta-rule linear attention with per-channel decay.
+
+    q, k, v = SiLU(causal depthwise conv(W x))       conv kernel 4, per channel, never across sequences
+    g       = lower_bound * sigmoid(exp(A_log) * (f_b(f_a x) + dt_bias))   (log-space decay per channel)
+    beta    = sigmoid(b_proj x)
+    o       = KDA(l2norm q, l2norm k, v, g, beta)     chunked (train / prefill) or recurrent (decode)
+    out     = o_proj(RMSNorm(o) * sigmoid(g_b(g_a x)))
+
+Parameter names are the checkpoint's (`self_attn.q_conv1d.weight`, `self_attn.f_a_proj`, ...).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from glmkit.kernels.kda.naive import l2norm
+from glmkit.model.norms import GatedRMSNorm
+from glmkit.model.packed import Packed
+
+
+@dataclass
+class KDAState:
+    """Decode cache of one KDA layer for B requests: conv [B, 3*H*K, kernel-1] (pre-activation
+    inputs of the short conv), recurrent [B, H, K, V] (fp32)."""
+
+    conv: torch.Tensor
+    recurrent: torch.Tensor
+
+
+class KimiDeltaAttention(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        D, H, K = config.hidden_size, config.linear_num_heads, config.linear_head_dim
+        self.num_heads, self.head_dim, self.kernel = H, K, config.linear_conv_kernel_dim
+        self.lower_bound = config.linear_lower_bound
+        HK = H * K
+        self.q_proj = nn.Linear(D, HK, bias=False)
+        self.k_proj = nn.Linear(D, HK, bias=False)
+        self.v_proj = nn.Linear(D, HK, bias=False)
+        # depthwise causal convs, kept in fp32 like the reference
+        self.q_conv1d = nn.Conv1d(HK, HK, self.kernel, groups=HK, bias=False, dtype=torch.float32)
+        self.k_conv1d = nn.Conv1d(HK, HK, self.kernel, groups=HK, bias=False, dtype=torch.float32)
+        self.v_conv1d = nn.Conv1d(HK, HK, self.kernel, groups=HK, bias=False, dtype=torch.float32)
+        self.A_log = nn.Parameter(torch.zeros(H, dtype=torch.float32))
+        self.dt_bias = nn.Parameter(torch.zeros(HK, dtype=torch.float32))
+        self.f_a_proj = nn.Linear(D, K, bias=False)
+        self.f_b_proj = nn.Linear(K, HK, bias=False)
+        self.b_proj = nn.Linear(D, H, bias=False)
+        self.g_a_proj = nn.Linear(D, K, bias=False)
+        self.g_b_proj = nn.Linear(K, HK, bias=False)
+        self.o_norm = GatedRMSNorm(K, config.rms_norm_eps)
+        self.o_proj = nn.Linear(HK, D, bias=False)
+
+    # ---- pieces shared by both paths -------------------------------------------------------
+    def _conv_weight(self) -> torch.Tensor:
+        """[3*H*K, kernel] fp32, q then k then v channels."""
+        return torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])[:, 0].float()
+
+    def _mixed(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)
+
+    def _decay(self, x: torch.Tensor) -> torch.Tensor:
+        """Log-space decay g [..., H, K] in fp32."""
+        g = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()
+        g = g.unflatten(-1, (self.num_heads, self.head_dim))
+        rate = self.A_log.float().exp()[:, None]
+        if self.lower_bound is not None:
+            return self.lower_bound * torch.sigmoid(rate * g)
+        return -rate * F.softplus(g, threshold=20.0)
+
+    def _output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        gate = self.g_b_proj(self.g_a_proj(x)).unflatten(-1, (self.num_heads, self.head_dim))
+        return self.o_proj(self.o_norm(o, gate).flatten(-2))
+
+    def _split(self, mixed: torch.Tensor):
+        return [t.unflatten(-1, (self.num_heads, self.head_dim)) for t in mixed.chunk(3, dim=-1)]
+
+    # ---- train path and prefill ------------------------------------------------------------
+    def forward_packed(self, x: torch.Tensor, packed: Packed, kda, want_state: bool = False):
+        """x [T, D] packed -> (out [T, D], KDAState for the N sequences or None)."""
+        mixed = self._mixed(x)
+        weight = self._conv_weight()
+        conv = torch.zeros_like(mixed, dtype=torch.float32)
+        for shift in range(self.kernel):  # out[t] = sum_s w[K-1-s] * in[t-s], inside the sequence
+            tap = weight[:, self.kernel - 1 - shift]
+            src = mixed.float() if shift == 0 else F.pad(mixed.float(), (0, 0, shift, 0))[:-shift]
+            conv = conv + tap * src * (packed.positions >= shift)[:, None]
+        q, k, v = self._split(F.silu(conv).to(x.dtype))
+        g = self._decay(x)
+        beta = torch.sigmoid(self.b_proj(x))
+        o, final = kda.chunk_kda(q[None], k[None], v[None], g[None], beta[None], scale=None,
+                                 initial_state=None, output_final_state=want_state,
+                                 use_qk_l2norm_in_kernel=True, cu_seqlens=packed.cu_seqlens)
+        out = self._output(o[0], x)
+        if not want_state:
+            return out, None
+        return out, KDAState(self._conv_tails(mixed, packed), final)
+
+    def _conv_tails(self, mixed: torch.Tensor, packed: Packed) -> torch.Tensor:
+        """Last kernel-1 conv inputs of every sequence, zeros in front of short ones: [N, C, kernel-1]."""
+        width = self.kernel - 1
+        padded = F.pad(mixed, (0, 0, width, 0))  # row r of `mixed` is row r + width here
+        ends = packed.cu_seqlens[1:] + width
+        rows = ends[:, None] - width + torch.arange(width, device=mixed.device)
+        starts = packed.cu_seqlens[:-1, None] + width
+        tails = padded[rows] * (rows >= starts)[..., None]
+        return tails.transpose(1, 2).contiguous()
+
+    # ---- rollout decode --------------------------------------------------------------------
+    def forward_step(self, x: torch.Tensor, state: KDAState, kda) -> torch.Tensor:
+        """x [B, D], one new token per request; updates `state` in place."""
+        mixed = self._mixed(x)
+        window = torch.cat([state.conv, mixed[:, :, None]], dim=-1)
+        state.conv.copy_(window[:, :, 1:])
+        conv = (window.float() * self._conv_weight()).sum(-1)
+        q, k, v = (t.float() for t in self._split(F.silu(conv).to(x.dtype)))
+        q = l2norm(q) * self.head_dim ** -0.5
+        k = l2norm(k)
+        beta = torch.sigmoid(self.b_proj(x)).float()
+        o, state.recurrent = kda.recurrent_step(q, k, v, self._decay(x), beta, state.recurrent)
+        return self._output(o.to(x.dtype), x)
+
+    def empty_state(self, batch: int, dtype, device) -> KDAState:
+        HK = self.num_heads * self.head_dim
+        return KDAState(torch.zeros(batch, 3 * HK, self.kernel - 1, dtype=dtype, device=device),
+                        torch.zeros(batch, self.num_heads, self.head_dim, self.head_dim,
+                                    dtype=torch.float32, device=device))

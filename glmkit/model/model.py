@@ -1,0 +1,40 @@
+"""The GLM-5.3-Flash text model: embeddings copied into n mHC streams, the decoder blocks, the
+plain mean over streams, a final RMSNorm and the LM head. Parameter names are the checkpoint's
+without the `model.language_model.` prefix (lm_head keeps `lm_head.weight`)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from glmkit.model.block import DecoderBlock, Run
+from glmkit.model.norms import RMSNorm
+
+
+class Glm5Model(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderBlock(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def hidden(self, input_ids: torch.Tensor, run: Run) -> torch.Tensor:
+        """input_ids [T] (packed, or one per request when decoding) -> final hidden [T, D]."""
+        x = self.embed_tokens(input_ids)
+        streams = x.unsqueeze(-2).expand(*x.shape[:-1], self.config.hc_mult, x.shape[-1]).contiguous()
+        run.topk = None
+        for block in self.layers:
+            streams = block(streams, run)
+        hidden = self.norm(streams.mean(-2))
+        run.emit(None, "final_hidden", hidden)
+        return hidden
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device

@@ -1,0 +1,127 @@
+"""Rollout path: a serving-style engine over the same weights.
+
+Prefill runs the prompts packed (KDA chunked, DSA absorbed) and leaves per-request caches: KDA conv
+and recurrent states, the DSA latent (R dims per token, never expanded per head), and the indexer's
+keys, gates and completed pool keys. Decode then advances every request one token per step (KDA
+recurrent update, DSA absorbed over the selected latents, the indexer compressing a pool the moment
+it completes). Sampling returns each sampled token's log-prob under softmax(logits / temperature).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from glmkit.kernels.kda import get_backend
+from glmkit.model.block import Run
+from glmkit.model.model import Glm5Model
+from glmkit.model.packed import pack
+
+
+@dataclass
+class SamplingParams:
+    """temperature 0 = greedy. top_p in (0, 1]. Stop tokens end a request and are kept in its output."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 64
+    stop_token_ids: tuple = ()
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        self.stop_token_ids = tuple(int(t) for t in self.stop_token_ids)
+
+
+@dataclass
+class Completion:
+    prompt: list
+    tokens: list = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    finish_reason: str = "length"
+
+
+@dataclass
+class DecodeBatch:
+    """Caches of B requests: states per layer, lengths [B] = tokens already cached."""
+
+    states: list
+    lengths: torch.Tensor
+
+
+class RolloutEngine:
+    def __init__(self, model: Glm5Model, kda_backend: str = "torch"):
+        self.model = model
+        self.kda = get_backend(kda_backend)
+
+    def _empty_states(self, batch: int, capacity: int):
+        dtype, device = self.model.dtype, self.model.device
+        return [layer.self_attn.empty_state(batch, dtype, device) if layer.kind == "kda"
+                else layer.self_attn.empty_state(batch, capacity, dtype, device) for layer in self.model.layers]
+
+    @torch.no_grad()
+    def prefill(self, prompts, capacity: int, all_logits: bool = False, record=None):
+        """prompts: list of token lists -> (DecodeBatch, logits). Logits are [B, V] at each prompt's last
+        token, or [T, V] over all packed prompt tokens with all_logits."""
+        input_ids, packed = pack(prompts, device=self.model.device)
+        if max(packed.lengths()) > capacity:
+            raise ValueError(f"capacity {capacity} is shorter than the longest prompt ({max(packed.lengths())})")
+        states = self._empty_states(packed.num_sequences, capacity)
+        run = Run(kda=self.kda, packed=packed, absorbed=True, states=states, record=record)
+        hidden = self.model.hidden(input_ids, run)
+        rows = hidden if all_logits else hidden[packed.last_indices()]
+        lengths = torch.as_tensor(packed.lengths(), device=self.model.device)
+        return DecodeBatch(run.states, lengths), self.model.lm_head(rows).float()
+
+    @torch.no_grad()
+    def step(self, batch: DecodeBatch, tokens: torch.Tensor, record=None) -> torch.Tensor:
+        """tokens [B] (one per request) -> logits [B, V]; the caches advance by one."""
+        run = Run(kda=self.kda, lengths=batch.lengths, states=batch.states, absorbed=True, record=record)
+        hidden = self.model.hidden(tokens, run)
+        batch.lengths = batch.lengths + 1
+        return self.model.lm_head(hidden).float()
+
+    @torch.no_grad()
+    def generate(self, prompts, params: SamplingParams, seed: int = 0) -> list[Completion]:
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("generate needs at least one prompt and every prompt needs at least one token")
+        generator = torch.Generator(device=self.model.device).manual_seed(seed)
+        capacity = max(len(p) for p in prompts) + params.max_new_tokens
+        batch, logits = self.prefill(prompts, capacity)
+        done = [Completion(prompt=list(map(int, p))) for p in prompts]
+        active = torch.ones(len(prompts), dtype=torch.bool, device=logits.device)
+        stop = torch.tensor(params.stop_token_ids, dtype=torch.long, device=logits.device)
+        for step in range(params.max_new_tokens):
+            tokens, logprobs = sample(logits, params, generator)
+            for i in active.nonzero().flatten().tolist():
+                done[i].tokens.append(int(tokens[i]))
+                done[i].logprobs.append(float(logprobs[i]))
+            finished = active & torch.isin(tokens, stop)
+            for i in finished.nonzero().flatten().tolist():
+                done[i].finish_reason = "stop"
+            active &= ~finished
+            if not active.any() or step == params.max_new_tokens - 1:
+                break
+            logits = self.step(batch, tokens)
+        return done
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, V] -> (tokens [B], log-prob of each under softmax(logits / T), untruncated)."""
+    if params.temperature == 0:
+        logp = torch.log_softmax(logits.float(), -1)
+        tokens = logp.argmax(-1)
+    else:
+        logp = torch.log_softmax(logits.float() / params.temperature, -1)
+        probs = logp.exp()
+        if params.top_p < 1:
+            sorted_p, order = probs.sort(-1, descending=True)
+            drop = sorted_p.cumsum(-1) - sorted_p >= params.top_p  # keeps the first token always
+            probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
+        tokens = torch.multinomial(probs, 1, generator=generator)[:, 0]
+    return tokens, logp.gather(-1, tokens[:, None])[:, 0]
