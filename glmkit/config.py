@@ -32,7 +32,9 @@ _TINY = dict(
     v_head_dim=16,
     linear_num_heads=4,
     linear_head_dim=16,
-    index_n_heads=4,
+    # 16 indexer heads: a pool's score is exactly 0 (every head's ReLU at 0) with probability
+    # 2^-16, so ties in the top-k are rare enough for parity against the reference
+    index_n_heads=16,
     index_head_dim=16,
     index_topk=8,
     index_kpool=4,

@@ -85,7 +85,10 @@ class LightningIndexer(nn.Module):
         take = min(self.topk // self.kpool, P)
         pieces = []
         if take:
-            chosen = scores.masked_fill(~candidate, float("-inf")).topk(take, dim=-1).indices
+            # ReLU makes exact ties (often at 0) common; a stable sort breaks them by lower pool
+            # index, so every path (packed, decode, any batch shape) selects the same pools.
+            masked = scores.masked_fill(~candidate, float("-inf"))
+            chosen = masked.sort(dim=-1, descending=True, stable=True).indices[:, :take]
             ok = candidate.gather(1, chosen)
             tokens = chosen[..., None] * self.kpool + torch.arange(self.kpool, device=scores.device)
             pieces.append(tokens.masked_fill(~ok[..., None], -1).flatten(1))
