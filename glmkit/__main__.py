@@ -1,0 +1,5 @@
+import sys
+
+from glmkit.cli import main
+
+sys.exit(main())

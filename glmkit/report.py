@@ -1,0 +1,83 @@
+"""Shareable reports: one self-contained HTML file (figures inlined as PNG) plus the JSON it shows,
+written atomically so a half-written report never looks complete."""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import os
+import platform
+import tempfile
+from importlib import metadata
+from pathlib import Path
+
+
+def versions() -> dict[str, str]:
+    found = {"python": platform.python_version()}
+    for pkg in ("glmkit", "torch", "transformers", "safetensors", "flash-linear-attention", "tilelang"):
+        try:
+            found[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            pass
+    return found
+
+
+def write_atomic(path: Path, data: bytes | str) -> Path:
+    """Write to a temporary sibling, then rename over `path`."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data.encode() if isinstance(data, str) else data)
+    os.replace(tmp, path)
+    return path
+
+
+def figure_png(fig) -> str:
+    """A matplotlib figure as a base64 PNG string (the figure is closed)."""
+    import matplotlib.pyplot as plt
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def table(rows: list[dict], columns: list[str]) -> str:
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(_fmt(r.get(c)))}</td>" for c in columns) + "</tr>"
+                   for r in rows)
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def _fmt(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    return "" if value is None else str(value)
+
+
+def html_report(title: str, verdict: str, header: dict, sections: list[tuple[str, str]]) -> str:
+    """verdict "pass"/"fail" banner, a header table (parameters, versions), then (heading, html) sections."""
+    color = "#1b7f3b" if verdict == "pass" else "#b3261e"
+    head_rows = "".join(f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(_fmt(v))}</td></tr>"
+                        for k, v in header.items())
+    body = "".join(f"<h2>{html.escape(h)}</h2>{content}" for h, content in sections)
+    return f"""<!doctype html><html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
+<style>body{{font-family:sans-serif;max-width:1100px;margin:2em auto}}table{{border-collapse:collapse}}
+td,th{{border:1px solid #ccc;padding:3px 8px;text-align:left}}.verdict{{color:#fff;background:{color};
+padding:.6em 1em;font-size:1.3em}}img{{max-width:100%}}</style></head><body>
+<h1>{html.escape(title)}</h1><div class="verdict">verdict: {html.escape(verdict.upper())}</div>
+<table>{head_rows}</table>{body}</body></html>"""
+
+
+def image(png_b64: str, alt: str) -> str:
+    return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{png_b64}">'
+
+
+def write_report(out_dir: Path, name: str, html_text: str, data: dict) -> tuple[Path, Path]:
+    out_dir = Path(out_dir)
+    json_path = write_atomic(out_dir / f"{name}.json", json.dumps(data, indent=2))
+    html_path = write_atomic(out_dir / f"{name}.html", html_text)
+    return html_path, json_path

@@ -1,0 +1,1 @@
+"""ipywidgets views used by the notebooks (glmkit itself never imports this package)."""
