@@ -4,19 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from glmkit.checkpoint.names import keeps_fp32
 from glmkit.model.model import Glm5Model
 from glmkit.model.packed import Packed, pack
 from glmkit.model.rollout import Completion, RolloutEngine, SamplingParams
 from glmkit.model.train import TrainPath
-
-# Tensors the reference keeps in fp32 whatever the model dtype (transformers' _keep_in_fp32_modules_strict).
-FP32_SUFFIXES = ("e_score_correction_bias", "mlp.gate.weight", "conv1d.weight", "dt_bias", "A_log",
-                 "hc_attn_base", "hc_attn_scale", "hc_ffn_base", "hc_ffn_scale")
-
-
-def keeps_fp32(name: str) -> bool:
-    return name.endswith(FP32_SUFFIXES)
-
 
 def cast_model(model: Glm5Model, dtype: torch.dtype) -> Glm5Model:
     """Cast to `dtype`, leaving the reference's fp32 tensors in fp32."""

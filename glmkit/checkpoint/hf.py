@@ -1,0 +1,524 @@
+"""Read and write GLM-5.3-Flash checkpoints in the Hugging Face layout (config.json + safetensors).
+
+Reading is lazy: `open_checkpoint` parses only config.json, the index and the safetensors
+headers, validates every text tensor's name and shape against the config, and reads tensor data
+on demand through `safetensors.safe_open` (mmap). Writing streams (name, tensor) pairs into
+shards inside a temporary sibling directory that is renamed into place only when complete.
+Nothing here uses pickle.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers import GenerationConfig, Glm5NextTextConfig
+
+from glmkit.checkpoint.names import (
+    EMBED,
+    FINAL_NORM,
+    LM_HEAD,
+    TEXT_PREFIX,
+    VISION_PREFIX,
+    expected_tensors,
+    layer_of,
+    layer_prefix,
+)
+from glmkit.config import full_config
+
+CONFIG_FILE = "config.json"
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+MODEL_TYPES = ("glm5_next", "glm5_next_text")
+ARCHITECTURE = "Glm5NextForConditionalGeneration"
+
+# Keys a composite Glm5NextConfig carries next to the text fields; dropped when a flat
+# (text-only) config.json is turned into a Glm5NextTextConfig.
+_COMPOSITE_ONLY_KEYS = {
+    "text_config", "vision_config", "model_type", "architectures", "transformers_version",
+    "image_token_id", "video_token_id", "image_start_token_id", "image_end_token_id",
+    "video_start_token_id", "video_end_token_id",
+}
+
+_ST_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+
+# Longest list of problems shown in one CheckpointError before "... and N more".
+_MAX_LISTED = 8
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read or written; the message names the file and tensor."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor lives and what it is, from the safetensors header."""
+
+    file: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    nbytes: int
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+def _read_json(file: Path) -> dict:
+    try:
+        text = file.read_text()
+    except OSError as e:
+        raise CheckpointError(f"{file}: cannot read: {e}") from e
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{file}: unreadable JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{file}: expected a JSON object, found {type(data).__name__}")
+    return data
+
+
+def text_config_from_json(raw: dict, file: Path) -> Glm5NextTextConfig:
+    """The text config of a parsed config.json, nested (`text_config`) or flat (text-only)."""
+    model_type = raw.get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise CheckpointError(f"{file}: model_type is {model_type!r}, expected 'glm5_next'")
+    if isinstance(raw.get("text_config"), dict):
+        fields = dict(raw["text_config"])
+        # transformers ties lm_head from the top-level flag of the composite config.
+        if "tie_word_embeddings" in raw:
+            fields["tie_word_embeddings"] = raw["tie_word_embeddings"]
+    else:
+        fields = {k: v for k, v in raw.items() if k not in _COMPOSITE_ONLY_KEYS}
+    fields.pop("model_type", None)
+    try:
+        return Glm5NextTextConfig.from_dict(fields)
+    except Exception as e:  # strict-dataclass and architecture validation errors
+        raise CheckpointError(f"{file}: invalid glm5_next text config: {e}") from e
+
+
+def read_header(file: Path) -> dict[str, TensorInfo]:
+    """Parse a safetensors header and check the file is long enough for the data it declares.
+
+    safetensors itself rejects a truncated header; the explicit size check also names the
+    file when only the tensor data at the end is missing.
+    """
+    try:
+        size = file.stat().st_size
+        with open(file, "rb") as fh:
+            prefix = fh.read(8)
+            if len(prefix) < 8:
+                raise CheckpointError(f"{file}: truncated safetensors file ({size} bytes, no header)")
+            header_len = int.from_bytes(prefix, "little")
+            if header_len > size - 8:
+                raise CheckpointError(
+                    f"{file}: truncated safetensors file: header needs {header_len} bytes, "
+                    f"file has {size - 8} after the length prefix")
+            header = json.loads(fh.read(header_len))
+    except OSError as e:
+        raise CheckpointError(f"{file}: cannot read: {e}") from e
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{file}: corrupt safetensors header: {e}") from e
+
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{file}: corrupt safetensors header: not a JSON object")
+    header.pop("__metadata__", None)
+    data_start = 8 + header_len
+    infos, data_end = {}, 0
+    for name, entry in header.items():
+        try:
+            begin, end = entry["data_offsets"]
+            dtype = _ST_DTYPES[entry["dtype"]]
+            shape = tuple(int(s) for s in entry["shape"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise CheckpointError(f"{file}: corrupt header entry for tensor {name}: {e!r}") from e
+        infos[name] = TensorInfo(file, dtype, shape, end - begin)
+        data_end = max(data_end, end)
+    if data_start + data_end > size:
+        raise CheckpointError(
+            f"{file}: truncated safetensors file: tensor data ends at byte {data_start + data_end}, "
+            f"file has {size} bytes")
+    _probe_with_safetensors(file)
+    return infos
+
+
+def _probe_with_safetensors(file: Path) -> None:
+    # Let safetensors run its own checks (offsets cover the body exactly, no overlaps).
+    try:
+        with safe_open(str(file), framework="pt"):
+            pass
+    except Exception as e:
+        raise CheckpointError(f"{file}: corrupt safetensors file: {e}") from e
+
+
+def _tensor_map(path: Path) -> tuple[dict[str, TensorInfo], Path]:
+    """Every tensor in the checkpoint (text or not) and the file that lists them."""
+    index_file, single_file = path / INDEX_FILE, path / SINGLE_FILE
+    if index_file.exists():
+        return _sharded_tensor_map(index_file), index_file
+    if single_file.exists():
+        return read_header(single_file), single_file
+    raise CheckpointError(f"{path}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
+
+
+def _sharded_tensor_map(index_file: Path) -> dict[str, TensorInfo]:
+    index = _read_json(index_file)
+    weight_map = index.get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{index_file}: no 'weight_map' object")
+
+    shard_names = sorted(set(weight_map.values()))
+    for shard in shard_names:
+        if not (index_file.parent / shard).is_file():
+            first_key = next(k for k, v in weight_map.items() if v == shard)
+            raise CheckpointError(
+                f"{index_file}: shard {shard} does not exist (listed for tensor {first_key})")
+
+    tensors: dict[str, TensorInfo] = {}
+    for shard in shard_names:
+        for name, info in read_header(index_file.parent / shard).items():
+            if name in tensors:
+                raise CheckpointError(
+                    f"{index_file}: tensor {name} is stored twice, in {tensors[name].file.name} "
+                    f"and {shard}")
+            tensors[name] = info
+    for name, shard in weight_map.items():
+        if name not in tensors or tensors[name].file.name != shard:
+            raise CheckpointError(f"{index_file}: tensor {name} is listed in shard {shard} but not stored there")
+    return tensors
+
+
+def _is_mtp(name: str, num_layers: int) -> bool:
+    layer = layer_of(name)
+    return ".shared_head." in name or (layer is not None and layer >= num_layers)
+
+
+def _limited(lines: list[str]) -> str:
+    shown = lines[:_MAX_LISTED]
+    if len(lines) > _MAX_LISTED:
+        shown.append(f"... and {len(lines) - _MAX_LISTED} more")
+    return "\n  ".join(shown)
+
+
+def _validate_text_tensors(path: Path, source: Path, expected: dict[str, tuple[int, ...]],
+                           found: dict[str, TensorInfo]) -> None:
+    """Raise one CheckpointError listing every missing, unexpected or mis-shaped text tensor."""
+    problems = []
+    for name, shape in expected.items():
+        if name not in found:
+            problems.append(f"missing tensor {name} {list(shape)}: not in {source.name}")
+    for name, info in found.items():
+        if name not in expected:
+            problems.append(f"unexpected tensor {name} in {info.file.name}")
+        elif info.shape != expected[name]:
+            problems.append(f"tensor {name} in {info.file.name} has shape {list(info.shape)}, "
+                            f"expected {list(expected[name])} from {CONFIG_FILE}")
+    if problems:
+        raise CheckpointError(f"{path}: checkpoint does not match its {CONFIG_FILE}:\n  {_limited(problems)}")
+
+
+class Checkpoint:
+    """A validated, lazily read checkpoint: only headers are in memory until tensors are asked for."""
+
+    def __init__(self, path: Path, config: Glm5NextTextConfig, tensors: dict[str, TensorInfo],
+                 skipped_vision: list[str], skipped_mtp: list[str]):
+        self.path = path
+        self.config = config
+        self._tensors = tensors
+        self.skipped_vision = skipped_vision
+        self.skipped_mtp = skipped_mtp
+        self._handles: dict[Path, object] = {}
+
+    # -- metadata
+
+    def text_keys(self) -> list[str]:
+        return sorted(self._tensors)
+
+    def info(self, name: str) -> TensorInfo:
+        if name not in self._tensors:
+            raise KeyError(f"{self.path}: no text tensor {name}")
+        return self._tensors[name]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype holding the most elements (fp32 router/gate tensors are a small minority)."""
+        elements = Counter()
+        for info in self._tensors.values():
+            elements[info.dtype] += _numel(info.shape)
+        return elements.most_common(1)[0][0]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(info.nbytes for info in self._tensors.values())
+
+    def skipped_summary(self) -> str:
+        """E.g. "skipped 12 vision tensors, 5 MTP tensors (layer 45, shared_head)"."""
+        parts = []
+        if self.skipped_vision:
+            parts.append(_count(len(self.skipped_vision), "vision tensor"))
+        if self.skipped_mtp:
+            parts.append(f"{_count(len(self.skipped_mtp), 'MTP tensor')} "
+                         f"({_describe_mtp(self.skipped_mtp, self.config)})")
+        return "skipped " + ", ".join(parts) if parts else "skipped nothing"
+
+    # -- data
+
+    def get(self, name: str, dtype: torch.dtype | None = None, device: str | torch.device = "cpu") -> torch.Tensor:
+        """Read one tensor from disk (only this one), optionally cast and moved."""
+        info = self.info(name)
+        try:
+            tensor = self._handle(info.file).get_tensor(name)
+        except Exception as e:
+            raise CheckpointError(f"{info.file}: cannot read tensor {name}: {e}") from e
+        if dtype is not None or torch.device(device).type != "cpu":
+            tensor = tensor.to(device=device, dtype=dtype)
+        return tensor
+
+    def layer(self, i: int, dtype: torch.dtype | None = None, device="cpu") -> dict[str, torch.Tensor]:
+        """Layer i's tensors keyed relative to `model.language_model.layers.{i}.`."""
+        if not 0 <= i < self.config.num_hidden_layers:
+            raise IndexError(f"{self.path}: layer {i} out of range 0..{self.config.num_hidden_layers - 1}")
+        prefix = layer_prefix(i)
+        return {name[len(prefix):]: self.get(name, dtype, device)
+                for name in self.text_keys() if name.startswith(prefix)}
+
+    def shared(self, dtype: torch.dtype | None = None, device="cpu") -> dict[str, torch.Tensor]:
+        """Embedding, final norm and (when untied) lm_head, keyed by full on-disk name."""
+        return {name: self.get(name, dtype, device)
+                for name in (EMBED, FINAL_NORM, LM_HEAD) if name in self._tensors}
+
+    def state_dict(self, prefix_strip: bool = True, dtype: torch.dtype | None = None,
+                   device="cpu") -> dict[str, torch.Tensor]:
+        """All text tensors; with prefix_strip, keys lose `model.language_model.` (lm_head.weight stays)."""
+        out = {}
+        for name in self.text_keys():
+            key = name[len(TEXT_PREFIX):] if prefix_strip and name.startswith(TEXT_PREFIX) else name
+            out[key] = self.get(name, dtype, device)
+        return out
+
+    def _handle(self, file: Path):
+        # One mmap handle per file, opened on first use and reused.
+        if file not in self._handles:
+            self._handles[file] = safe_open(str(file), framework="pt", device="cpu")
+        return self._handles[file]
+
+    def close(self) -> None:
+        self._handles.clear()
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"Checkpoint({str(self.path)!r}, {self.config.num_hidden_layers} layers, "
+                f"{len(self._tensors)} text tensors, {self.nbytes / 2**30:.2f} GiB {self.dtype})")
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _describe_mtp(names: list[str], config: Glm5NextTextConfig) -> str:
+    layers = sorted({layer_of(n) for n in names if layer_of(n) is not None and layer_of(n) >= config.num_hidden_layers})
+    parts = []
+    if layers:
+        parts.append(("layer " if len(layers) == 1 else "layers ") + ", ".join(map(str, layers)))
+    if any(".shared_head." in n for n in names):
+        parts.append("shared_head")
+    return ", ".join(parts)
+
+
+def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
+    """Open and validate a checkpoint directory without reading any tensor data.
+
+    Vision (`model.visual.*`) and MTP (layers >= num_hidden_layers, `*.shared_head.*`) tensors
+    are skipped and recorded; every other tensor must be exactly what the config implies.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: not a checkpoint directory")
+    config_file = path / CONFIG_FILE
+    if not config_file.is_file():
+        raise CheckpointError(f"{config_file}: missing")
+    config = text_config_from_json(_read_json(config_file), config_file)
+
+    all_tensors, source = _tensor_map(path)
+    text, vision, mtp = {}, [], []
+    for name, info in all_tensors.items():
+        if name.startswith(VISION_PREFIX):
+            vision.append(name)
+        elif _is_mtp(name, config.num_hidden_layers):
+            mtp.append(name)
+        else:
+            text[name] = info
+    _validate_text_tensors(path, source, expected_tensors(config), text)
+    return Checkpoint(path, config, text, sorted(vision), sorted(mtp))
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+def _refuse_existing(target: Path, overwrite: bool) -> None:
+    if not target.exists() or overwrite:
+        return
+    if target.is_dir() and not any(target.iterdir()):
+        return
+    raise CheckpointError(f"{target}: already exists and is not empty; pass overwrite=True to replace it")
+
+
+def _storable(tensor: torch.Tensor) -> torch.Tensor:
+    """A CPU, contiguous tensor that owns its storage (save_file rejects views of shared memory)."""
+    t = tensor.detach().to("cpu").contiguous()
+    if t.untyped_storage().nbytes() != t.numel() * t.element_size():
+        t = t.clone()
+    return t
+
+
+class _ShardWriter:
+    """Buffers tensors up to max_shard_bytes, then writes them as one temporary shard file."""
+
+    def __init__(self, folder: Path, max_shard_bytes: int):
+        self.folder = folder
+        self.max_shard_bytes = max_shard_bytes
+        self.shards: list[tuple[Path, list[str]]] = []
+        self.elements_by_dtype: Counter = Counter()
+        self.total_bytes = 0
+        self.total_elements = 0
+        self._pending: dict[str, torch.Tensor] = {}
+        self._pending_bytes = 0
+        self._pending_ptrs: set[int] = set()
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        t = _storable(tensor)
+        nbytes = t.numel() * t.element_size()
+        if self._pending and self._pending_bytes + nbytes > self.max_shard_bytes:
+            self.flush()
+        if t.untyped_storage().data_ptr() in self._pending_ptrs:
+            t = t.clone()  # the same tensor under two names (e.g. a tied head) must be stored twice
+        self._pending[name] = t
+        self._pending_ptrs.add(t.untyped_storage().data_ptr())
+        self._pending_bytes += nbytes
+        self.total_bytes += nbytes
+        self.total_elements += t.numel()
+        self.elements_by_dtype[t.dtype] += t.numel()
+
+    def flush(self) -> None:
+        if not self._pending:
+            return
+        file = self.folder / f"part-{len(self.shards):05d}.safetensors"
+        save_file(self._pending, str(file), metadata={"format": "pt"})
+        self.shards.append((file, list(self._pending)))
+        self._pending, self._pending_bytes, self._pending_ptrs = {}, 0, set()
+
+    def dominant_dtype(self) -> torch.dtype:
+        return self.elements_by_dtype.most_common(1)[0][0]
+
+
+def _stream_into(writer: _ShardWriter, target: Path, expected: dict[str, tuple[int, ...]],
+                 tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    seen: set[str] = set()
+    for name, tensor in tensors:
+        if name not in expected:
+            raise CheckpointError(f"{target}: unexpected tensor {name} for this config")
+        if name in seen:
+            raise CheckpointError(f"{target}: tensor {name} given twice")
+        if tuple(tensor.shape) != expected[name]:
+            raise CheckpointError(f"{target}: tensor {name} has shape {list(tensor.shape)}, "
+                                  f"expected {list(expected[name])}")
+        seen.add(name)
+        writer.add(name, tensor)
+    writer.flush()
+    missing = [f"missing tensor {name} {list(shape)}" for name, shape in expected.items() if name not in seen]
+    if missing:
+        raise CheckpointError(f"{target}: incomplete checkpoint:\n  {_limited(missing)}")
+
+
+def _name_shards(folder: Path, writer: _ShardWriter) -> None:
+    """Rename temporary shards to transformers' names; write the index when there are several."""
+    if len(writer.shards) == 1:
+        writer.shards[0][0].rename(folder / SINGLE_FILE)
+        return
+    count = len(writer.shards)
+    weight_map = {}
+    for i, (file, names) in enumerate(writer.shards):
+        final = f"model-{i + 1:05d}-of-{count:05d}.safetensors"
+        file.rename(folder / final)
+        weight_map.update(dict.fromkeys(names, final))
+    index = {"metadata": {"total_parameters": writer.total_elements, "total_size": writer.total_bytes},
+             "weight_map": dict(sorted(weight_map.items()))}
+    (folder / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=False) + "\n")
+
+
+def _write_configs(folder: Path, text_config: Glm5NextTextConfig, dtype: torch.dtype) -> None:
+    config = full_config(text_config)
+    config.architectures = [ARCHITECTURE]
+    config.dtype = str(dtype).removeprefix("torch.")
+    config.to_json_file(str(folder / CONFIG_FILE))
+    GenerationConfig.from_model_config(config).to_json_file(str(folder / "generation_config.json"))
+
+
+def _move_into_place(staged: Path, target: Path) -> None:
+    """Swap the finished directory in; an old target is moved aside first and deleted last."""
+    old = None
+    if target.exists() or target.is_symlink():
+        if target.is_dir() and not target.is_symlink() and not any(target.iterdir()):
+            target.rmdir()
+        else:
+            old = Path(tempfile.mkdtemp(prefix=target.name + ".old-", dir=target.parent))
+            old.rmdir()
+            target.rename(old)
+    staged.rename(target)
+    if old is None:
+        return
+    if old.is_dir() and not old.is_symlink():
+        shutil.rmtree(old)
+    else:
+        old.unlink()
+
+
+def save_checkpoint(path: str | os.PathLike, text_config: Glm5NextTextConfig,
+                    tensors: Iterable[tuple[str, torch.Tensor]], max_shard_bytes: int = 5 * 2**30,
+                    overwrite: bool = False) -> Path:
+    """Write (full on-disk name, tensor) pairs as a checkpoint transformers can load.
+
+    The stream is consumed once; at most one shard (max_shard_bytes) is buffered. Everything
+    goes into `path.tmp-XXXX` first and is renamed to `path` only when names and shapes match
+    `expected_tensors(text_config)` exactly, so a failed save leaves nothing at `path`.
+    """
+    target = Path(path)
+    _refuse_existing(target, overwrite)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staged = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
+    try:
+        writer = _ShardWriter(staged, max_shard_bytes)
+        _stream_into(writer, target, expected_tensors(text_config), tensors)
+        _name_shards(staged, writer)
+        _write_configs(staged, text_config, writer.dominant_dtype())
+        _refuse_existing(target, overwrite)  # something may have appeared while we were writing
+        _move_into_place(staged, target)
+    except BaseException:
+        shutil.rmtree(staged, ignore_errors=True)
+        raise
+    return target
