@@ -25,7 +25,7 @@ test: setup
 	$(PY) -m pytest -q
 
 bench: setup
-	$(PY) benchmarks/bench_tiny_cpu.py
+	$(PY) benchmarks/bench_paths.py
 
 clean:
 	rm -rf $(VENV) reports .cache

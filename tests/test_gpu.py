@@ -59,24 +59,42 @@ def test_fla_recurrent_step_matches_torch_reference():
     assert rel_rms(o_ref, o) < RATIO and rel_rms(s_ref, s) < RATIO
 
 
-def test_model_paths_on_cuda_with_fla(tiny_ckpt):
-    """Train and rollout with the fla backend against the torch backend on the GPU (fp32 weights), and
-    train vs rollout log-probs after a greedy rollout."""
+def test_model_kda_layers_fla_vs_torch_and_train_vs_rollout(tiny_ckpt):
+    """Every KDA layer of the model, fed the same input, with the fla backend against the torch one
+    (packed prefill with states, then decode steps); then a greedy rollout with fla re-scored by the
+    fla train path. End-to-end logits are not compared across backends: a 1e-3 kernel difference can
+    flip a discrete indexer or router choice, which is what the layer-level check avoids."""
     from glmkit.model import RolloutEngine, SamplingParams, TrainPath, load_model
+    from glmkit.model.packed import Packed
 
     model = load_model(tiny_ckpt, device="cuda")
+    torch_kda, fla_kda = get_backend("torch"), get_backend("fla")
     prompts = [list(range(3, 80)), list(range(100, 113)), [7, 8, 9]]
+    inputs = {}
     with torch.no_grad():
-        ref = TrainPath(model, "torch").forward(prompts, return_logits=True)
-        fast = TrainPath(model, "fla").forward(prompts, return_logits=True)
-    print(f"train logits fla vs torch: rel RMS {rel_rms(ref.logits, fast.logits):.2e}")
-    assert rel_rms(ref.logits, fast.logits) < RATIO
-    params = SamplingParams(temperature=0, max_new_tokens=16)
-    outs = {b: RolloutEngine(model, b).generate(prompts, params) for b in ("torch", "fla")}
-    for backend, completions in outs.items():
-        with torch.no_grad():
-            rescored = TrainPath(model, backend).forward([c.prompt + c.tokens for c in completions])
-        worst = max((rescored.logprobs[s + len(c.prompt) - 1:e - 1].cpu() - torch.tensor(c.logprobs)).abs().max().item()
-                    for c, (s, e) in zip(completions, rescored.packed.bounds()))
-        print(f"{backend}: train vs rollout log-prob max |diff| {worst:.2e}")
-        assert worst < (1e-4 if backend == "torch" else 2e-2)
+        TrainPath(model, "torch").forward(prompts, record=lambda layer, site, v: inputs.__setitem__(layer, v)
+                                          if site == "attn_in" else None)
+        packed = Packed.from_lengths([len(p) for p in prompts], device="cuda")
+        for block in model.layers:
+            if block.kind != "kda":
+                continue
+            x = inputs[block.layer]
+            want, s_want = block.self_attn.forward_packed(x, packed, torch_kda, want_state=True)
+            got, s_got = block.self_attn.forward_packed(x, packed, fla_kda, want_state=True)
+            print(f"layer {block.layer} KDA prefill fla vs torch: rel RMS {rel_rms(want, got):.2e}")
+            assert rel_rms(want, got) < RATIO and rel_rms(s_want.recurrent, s_got.recurrent) < RATIO
+            for step in range(4):
+                xs = x[packed.last_indices()] * (1 + 0.1 * step)
+                a = block.self_attn.forward_step(xs, s_want, torch_kda)
+                b = block.self_attn.forward_step(xs, s_got, fla_kda)
+                assert rel_rms(a, b) < RATIO, f"layer {block.layer} decode step {step}: {rel_rms(a, b):.2e}"
+
+    completions = RolloutEngine(model, "fla").generate(prompts, SamplingParams(temperature=0, max_new_tokens=16))
+    with torch.no_grad():
+        rescored = TrainPath(model, "fla").forward([c.prompt + c.tokens for c in completions])
+    diffs = torch.cat([(rescored.logprobs[s + len(c.prompt) - 1:e - 1].cpu() - torch.tensor(c.logprobs)).abs()
+                       for c, (s, e) in zip(completions, rescored.packed.bounds())])
+    print(f"fla train vs rollout log-prob |diff|: mean {diffs.mean():.2e}, max {diffs.max():.2e}")
+    # chunk (train, tf32 tiles) vs fused recurrent (rollout, fp32) kernels on fp32 weights: measured
+    # mean 1.4e-3, max 7.9e-3 on an H200; bounded below the recipe's healthy bf16 level (0.007-0.011)
+    assert diffs.mean() < 5e-3

@@ -1,7 +1,7 @@
 """Tiny variant on the CPU: glmkit's train path (forward + backward) and rollout decode, each as a
 ratio against the transformers reference measured in the same run.
 
-    python benchmarks/bench_tiny_cpu.py [--variant tiny] [--device cpu|cuda] [--dtype float32|bfloat16]
+    python benchmarks/bench_paths.py [--variant tiny] [--device cpu|cuda] [--dtype float32|bfloat16]
                                         [--kda-backend torch|fla] [--batch 4] [--seq-len 256] [--new-tokens 64]
 
 Train: B sequences of T tokens, log-prob loss, forward + backward. glmkit packs them (no padding);
@@ -49,17 +49,25 @@ def main(argv=None):
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=JSON",
+                        help="override a config field of --variant, e.g. --set hidden_size=1024")
     args = parser.parse_args(argv)
 
+    import json
+
     from glmkit.checkpoint import synth_checkpoint
+    from glmkit.config import describe, variant_config
     from glmkit.model import RolloutEngine, TrainPath, load_model
     from glmkit.reference import left_pad, load_reference
 
     dtype = getattr(torch, args.dtype)
-    path = args.checkpoint or synth_checkpoint(args.variant, 0, Path(tempfile.mkdtemp()) / "ckpt", progress=False)
+    overrides = {k: json.loads(v) for k, v in (item.split("=", 1) for item in args.set)}
+    config = variant_config(args.variant, **overrides)
+    path = args.checkpoint or synth_checkpoint(config, 0, Path(tempfile.mkdtemp()) / "ckpt", progress=False)
     ref = load_reference(path, dtype, args.device)
     model = load_model(path, dtype, args.device)
     V = model.config.vocab_size
+    print(f"{describe(model.config)}; {args.device} {args.dtype}, KDA backend {args.kda_backend}")
     g = torch.Generator().manual_seed(0)
     seqs = torch.randint(3, V, (args.batch, args.seq_len), generator=g)
     ids = seqs.to(args.device)
@@ -76,9 +84,11 @@ def main(argv=None):
         torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).sum().backward()
 
     tokens = args.batch * args.seq_len
-    t_ours, t_ref = timed(ours_train, args.repeat, args.device), timed(ref_train, args.repeat, args.device)
+    t_ours = timed(ours_train, args.repeat, args.device)
+    print(f"  glmkit train step {t_ours * 1e3:.1f} ms", flush=True)
+    t_ref = timed(ref_train, args.repeat, args.device)
     print(f"train fwd+bwd  B={args.batch} T={args.seq_len}: glmkit {tokens / t_ours:10.0f} tok/s  "
-          f"reference {tokens / t_ref:10.0f} tok/s  ratio {t_ref / t_ours:5.2f}x")
+          f"reference {tokens / t_ref:10.0f} tok/s  ratio {t_ref / t_ours:5.2f}x", flush=True)
 
     prompts = seqs[:, :args.seq_len // 2].tolist()
     feed = torch.randint(3, V, (args.batch, args.new_tokens), generator=g)
@@ -100,7 +110,9 @@ def main(argv=None):
                         use_cache=True).cache
 
     new = args.batch * args.new_tokens
-    d_ours, d_ref = timed(ours_decode, args.repeat, args.device), timed(ref_decode, args.repeat, args.device)
+    d_ours = timed(ours_decode, args.repeat, args.device)
+    print(f"  glmkit prefill+decode {d_ours * 1e3:.1f} ms", flush=True)
+    d_ref = timed(ref_decode, args.repeat, args.device)
     print(f"rollout prefill+decode B={args.batch} prompt={args.seq_len // 2} new={args.new_tokens}: "
           f"glmkit {new / d_ours:8.0f} tok/s  reference {new / d_ref:8.0f} tok/s  ratio {d_ref / d_ours:5.2f}x")
 
