@@ -22,6 +22,7 @@ def load_reference(path, dtype: torch.dtype = torch.float32, device="cpu"):
     from transformers import Glm5NextForConditionalGeneration
 
     transformers.logging.set_verbosity_error()  # its vision tower is absent from text checkpoints
+    transformers.logging.disable_progress_bar()
     model = Glm5NextForConditionalGeneration.from_pretrained(path, dtype=dtype)
     return model.to(device).eval()
 

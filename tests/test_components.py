@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from glmkit.config import variant_config
-from glmkit.model import RolloutEngine, SamplingParams, TrainPath, load_model, pack
+from glmkit.model import RolloutEngine, SamplingParams, TrainPath, cast_model, load_model, pack, save_model
 from glmkit.model import mhc
 from glmkit.model.dsa import SparseMLA
 from glmkit.model.moe import MoE
@@ -132,3 +132,19 @@ def test_packing_rejects_empty_sequences():
 def test_unknown_variant_lists_allowed():
     with pytest.raises(ValueError, match="allowed: GLM-5.3-Flash, GLM-5.3-Flash-4layer, tiny"):
         variant_config("GLM-6")
+
+
+def test_save_model_roundtrip_and_bf16_keeps_reference_fp32_tensors(tiny_ckpt, tmp_path):
+    from glmkit.checkpoint import open_checkpoint
+
+    model = load_model(tiny_ckpt)
+    save_model(model, tmp_path / "again")
+    a, b = open_checkpoint(tiny_ckpt), open_checkpoint(tmp_path / "again")
+    assert a.text_keys() == b.text_keys()
+    assert all(torch.equal(a.get(k), b.get(k)) for k in a.text_keys())
+    half = cast_model(load_model(tiny_ckpt), torch.bfloat16)
+    dtypes = {n: t.dtype for n, t in list(half.named_parameters()) + list(half.named_buffers())}
+    assert dtypes["layers.0.self_attn.A_log"] == torch.float32
+    assert dtypes["layers.3.mlp.gate.e_score_correction_bias"] == torch.float32
+    assert dtypes["layers.0.hc_attn_scale"] == torch.float32 and dtypes["layers.0.hc_attn_fn"] == torch.bfloat16
+    assert dtypes["layers.0.self_attn.q_proj.weight"] == torch.bfloat16

@@ -30,5 +30,16 @@ def load_model(path, dtype: torch.dtype | None = None, device="cpu") -> Glm5Mode
     return cast_model(model, dtype or ckpt.dtype)
 
 
+def save_model(model: Glm5Model, path, overwrite: bool = False, max_shard_bytes: int = 5 * 2**30):
+    """Write the model in the on-disk format transformers' save_pretrained uses (text weights)."""
+    from glmkit.checkpoint import TEXT_PREFIX, save_checkpoint
+
+    def tensors():
+        for name, tensor in model.state_dict().items():
+            yield (name if name == "lm_head.weight" else TEXT_PREFIX + name), tensor.detach()
+
+    return save_checkpoint(path, model.config, tensors(), max_shard_bytes=max_shard_bytes, overwrite=overwrite)
+
+
 __all__ = ["Glm5Model", "TrainPath", "RolloutEngine", "SamplingParams", "Completion", "Packed", "pack",
-           "load_model", "cast_model"]
+           "load_model", "save_model", "cast_model"]

@@ -65,11 +65,14 @@ class SparseMLA(nn.Module):
 
     def _attend_absorbed(self, q, latents, idx):
         """q [R', H, dk], latents gathered [R', W, R], idx [R', W] (-1 empty) -> [R', H, dv]."""
-        w_uk, w_uv = self._absorbed_weights()
-        q_lat = torch.einsum("thd,hdr->thr", q, w_uk)
-        scores = torch.einsum("thr,twr->thw", q_lat, latents).float() * self.scale
-        probs = scores.masked_fill((idx < 0)[:, None], float("-inf")).softmax(-1).to(q.dtype)
-        return torch.einsum("hvr,thr->thv", w_uv, torch.einsum("thw,twr->thr", probs, latents))
+        # fp32 throughout, as MLA decode kernels accumulate: the folded query q W_UK would otherwise
+        # be rounded to bf16 once more than the expanded form's q and k are
+        w_uk, w_uv = (w.float() for w in self._absorbed_weights())
+        latents = latents.float()
+        q_lat = torch.einsum("thd,hdr->thr", q.float(), w_uk)
+        scores = torch.einsum("thr,twr->thw", q_lat, latents) * self.scale
+        probs = scores.masked_fill((idx < 0)[:, None], float("-inf")).softmax(-1)
+        return torch.einsum("hvr,thr->thv", w_uv, torch.einsum("thw,twr->thr", probs, latents)).to(q.dtype)
 
     def _attend_expanded(self, q, k, v, idx):
         """q [R', H, dk], k/v gathered [R', W, H, d], idx [R', W] -> [R', H, dv]."""
