@@ -36,6 +36,79 @@ def cmd_check(args) -> int:
     return 0 if result["verdict"] == "pass" else 1
 
 
+def _parity_table(result) -> str:
+    """One line per layer: its worst value site, index-site agreement, and whether it diverged."""
+    lines = [f"{'layer':>5}  {'worst site':24s} {'rel RMS':>9}  {'max |diff|':>10}  {'top-k same':>10}  "
+             f"{'experts same':>12}  status"]
+    layers = sorted({s.layer for s in result.sites}, key=lambda x: float("inf") if x is None else x)
+    for layer in layers:
+        sites = [s for s in result.sites if s.layer == layer]
+        values = [s for s in sites if s.kind == "values"]
+        worst = max(values, key=lambda s: s.rel_rms) if values else None
+        index = {s.site: s.identical for s in sites if s.kind == "indices"}
+        fmt = lambda v: "" if v is None else f"{v:.1%}"  # noqa: E731
+        lines.append(f"{'final' if layer is None else layer:>5}  {worst.site if worst else '':24s} "
+                     f"{worst.rel_rms if worst else 0:9.2e}  {worst.max_abs if worst else 0:10.2e}  "
+                     f"{fmt(index.get('indexer_topk')):>10}  {fmt(index.get('router_experts')):>12}  "
+                     f"{'DIVERGED' if any(s.diverged for s in sites) else 'ok'}")
+    return "\n".join(lines)
+
+
+def _thresholds(items) -> dict:
+    out = {}
+    for item in items or []:
+        key, _, value = item.partition("=")
+        if key not in ("rel_rms", "identical") or not value:
+            raise ValueError(f"--threshold {item!r}: expected rel_rms=FLOAT or identical=FLOAT")
+        out[key] = float(value)
+    return out
+
+
+def cmd_parity(args) -> int:
+    import json
+
+    from glmkit.parity.builtin import parity
+    from glmkit.report import write_atomic
+
+    paths = [p.strip() for p in args.paths.split(",") if p.strip()]
+    if len(paths) != 2:
+        raise ValueError(f"--paths takes two paths separated by a comma, got {args.paths!r}")
+    result, cap_a, cap_b = parity(args.checkpoint, paths, args.checkpoint_b, args.seq_len, args.batch, args.dtype,
+                                  args.device, args.kda_backend, args.streaming, _thresholds(args.threshold),
+                                  args.seed)
+    print(f"{result.path_a} vs {result.path_b} ({result.mode}, {result.dtype}; thresholds {result.thresholds})")
+    print(_parity_table(result))
+    if result.logprob is not None:
+        print(f"logprob abs diff (train/train_rollout_logprob_abs_diff definition): {result.logprob.value:.3e}")
+    first = result.first_divergence
+    print("verdict: pass" if first is None else
+          f"verdict: fail, first divergence at layer {first.layer}, site {first.site} "
+          f"(rel RMS {first.rel_rms}, identical {first.identical})")
+    if args.json:
+        write_atomic(args.json, json.dumps(result.to_json(), indent=2))
+    if args.save_captures:
+        from glmkit.parity.dump import save_capture
+
+        for tag, cap in (("a", cap_a), ("b", cap_b)):
+            save_capture(cap, f"{args.save_captures}/{tag}-{cap.manifest.get('path', tag)}")
+    return 0 if result.verdict == "pass" else 1
+
+
+def cmd_capture(args) -> int:
+    from glmkit.parity.builtin import capture_path, make_inputs
+    from glmkit.parity.dump import save_capture
+    from glmkit.checkpoint import open_checkpoint
+    import torch
+
+    if args.path not in ("reference", "train", "rollout"):
+        raise ValueError(f"unknown path {args.path!r}; allowed: reference, train, rollout")
+    seqs, prompts = make_inputs(open_checkpoint(args.checkpoint).config.vocab_size, args.batch, args.seq_len, args.seed)
+    cap = capture_path(args.path, args.checkpoint, seqs, prompts, getattr(torch, args.dtype), args.device,
+                       args.kda_backend)
+    print(f"wrote {save_capture(cap, args.out)}")
+    return 0
+
+
 def cmd_ckpt_synth(args) -> int:
     from glmkit.checkpoint import synth_checkpoint
 
@@ -87,6 +160,37 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kda-backend", default="torch", choices=list(BACKENDS))
     p.add_argument("--out", default="reports/check", help="report directory")
     p.set_defaults(func=cmd_check)
+
+    p = sub.add_parser("parity", help="compare two paths site by site and name the first divergence")
+    p.add_argument("--checkpoint", required=True, help="HF checkpoint directory")
+    p.add_argument("--checkpoint-b", help="load the second path from this checkpoint instead")
+    p.add_argument("--paths", default="reference,train",
+                   help="two of reference, train, rollout, or a capture directory, comma-separated")
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--kda-backend", default="torch", choices=list(BACKENDS))
+    p.add_argument("--streaming", action="store_true",
+                   help="layer by layer from the files, each layer fed the reference's input (reference,train)")
+    p.add_argument("--threshold", action="append", metavar="NAME=VALUE",
+                   help="override a default threshold: rel_rms=1e-4, identical=0.99")
+    p.add_argument("--json", help="write the result as JSON here")
+    p.add_argument("--save-captures", metavar="DIR", help="also write both captures (dump format) under DIR")
+    p.set_defaults(func=cmd_parity)
+
+    p = sub.add_parser("capture", help="run one path and write its capture (dump format)")
+    p.add_argument("--checkpoint", required=True)
+    p.add_argument("--path", required=True, help="reference, train or rollout")
+    p.add_argument("--out", required=True)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--kda-backend", default="torch", choices=list(BACKENDS))
+    p.set_defaults(func=cmd_capture)
 
     ckpt = sub.add_parser("ckpt", help="checkpoint tools").add_subparsers(dest="ckpt_command", required=True,
                                                                           metavar="ACTION")

@@ -1,0 +1,250 @@
+"""Capture adapters: run a path on token sequences and collect every site, one row per token.
+
+- `capture_train`:     glmkit's train path (packed).
+- `capture_rollout`:   glmkit's rollout engine: prefill of each prompt, then the rest of the sequence
+                       fed one token per decode step (teacher forcing), stitched back to per-token rows.
+- `capture_reference`: transformers' glm5_next through forward hooks on its modules.
+- `HookCapturer`:      any torch model (a Megatron or SGLang process) given a module-name -> site map.
+
+Canonical forms, so paths compare row by row: index sites are sorted per row (indexer positions
+sequence-local, -1 first), router weights are ordered like their sorted expert ids.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from glmkit.model.packed import Packed, pack
+from glmkit.model.train import next_token_targets, token_logprobs
+from glmkit.parity.dump import Capture
+
+
+def canonical(site: str, rows: torch.Tensor, extra: torch.Tensor | None = None):
+    """Sort index rows; for router weights, order them like the sorted experts (`extra`)."""
+    if site == "indexer_topk":
+        return rows.to(torch.int64).sort(-1).values
+    if site == "router_experts":
+        return rows.to(torch.int64).sort(-1).values
+    if site == "router_weights" and extra is not None:
+        return rows.float().gather(-1, extra.to(torch.int64).argsort(-1))
+    return rows
+
+
+class _Collector:
+    """Receives (layer, site, rows) and stores canonical rows at the given token indices."""
+
+    def __init__(self, capture: Capture, total: int):
+        self.capture, self.total, self.pending_experts = capture, total, {}
+
+    def put(self, layer, site, rows, index=None):
+        rows = rows.detach()
+        if site == "router_experts":
+            self.pending_experts[layer] = rows
+        extra = self.pending_experts.get(layer) if site == "router_weights" else None
+        rows = canonical(site, rows, extra).to("cpu")
+        key = (layer, site)
+        if index is None:
+            self.capture.put(layer, site, rows)
+            return
+        store = self.capture.tensors.get(key)
+        if store is None:
+            store = torch.zeros((self.total, *rows.shape[1:]), dtype=rows.dtype)
+            if site == "indexer_topk":
+                store.fill_(-1)
+            self.capture.tensors[key] = store
+        if store.shape[1:] != rows.shape[1:]:  # e.g. a wider top-k at decode: keep the widest
+            wide = torch.full((self.total, *rows.shape[1:]), -1, dtype=rows.dtype)
+            wide[:, :store.shape[1]] = store
+            self.capture.tensors[key] = store = wide
+        store[index] = rows
+
+
+def _manifest(path: str, model_config, dtype, device, **extra) -> dict:
+    from glmkit import __version__
+    from glmkit.config import describe
+
+    return {"path": path, "model": describe(model_config), "dtype": str(dtype).replace("torch.", ""),
+            "device": str(device), "mode": "end-to-end", "glmkit": __version__, **extra}
+
+
+def _local(topk: torch.Tensor, packed: Packed) -> torch.Tensor:
+    """Packed (global) token ids -> positions inside each row's own sequence."""
+    start = packed.cu_seqlens[packed.seq_index][:, None]
+    return torch.where(topk >= 0, topk - start, topk)
+
+
+@torch.no_grad()
+def capture_train(model, sequences, kda_backend: str = "torch", keep_logits: bool = False, **manifest) -> Capture:
+    from glmkit.model import TrainPath
+
+    input_ids, packed = pack(sequences, device=model.device)
+    capture = Capture(input_ids.cpu(), packed.cu_seqlens.cpu(),
+                      manifest=_manifest("train", model.config, model.dtype, model.device, **manifest))
+    sink = _Collector(capture, packed.num_tokens)
+
+    def record(layer, site, value):
+        if site == "logits" and not keep_logits:
+            return
+        if site == "indexer_topk":
+            value = _local(value, packed)
+        sink.put(layer, site, value)
+
+    TrainPath(model, kda_backend).forward(input_ids=input_ids, packed=packed, record=record,
+                                          return_logits=keep_logits)
+    return capture
+
+
+@torch.no_grad()
+def capture_rollout(model, sequences, prompt_lengths, kda_backend: str = "torch", **manifest) -> Capture:
+    """Prefill sequence[:p] for each prompt length p, then decode the remaining tokens one per step."""
+    from glmkit.model import RolloutEngine
+
+    seqs = [list(map(int, s)) for s in sequences]
+    if len(prompt_lengths) != len(seqs) or any(not 0 < p <= len(s) for p, s in zip(prompt_lengths, seqs)):
+        raise ValueError(f"prompt lengths {list(prompt_lengths)} must be in 1..len(sequence) for each of "
+                         f"the {len(seqs)} sequences (lengths {[len(s) for s in seqs]})")
+    input_ids, packed = pack(seqs)
+    targets = next_token_targets(input_ids, packed)
+    capture = Capture(input_ids, packed.cu_seqlens,
+                      manifest=_manifest("rollout", model.config, model.dtype, model.device,
+                                         prompt_lengths=list(prompt_lengths), **manifest))
+    sink = _Collector(capture, packed.num_tokens)
+    engine = RolloutEngine(model, kda_backend)
+    starts = packed.cu_seqlens[:-1]
+    prompt_rows = torch.cat([torch.arange(s, s + p) for s, p in zip(starts.tolist(), prompt_lengths)])
+    prompt_packed = Packed.from_lengths(prompt_lengths, device=model.device)
+
+    def record_prefill(layer, site, value):
+        if site == "indexer_topk":
+            value = _local(value, prompt_packed)
+        if site != "logits":
+            sink.put(layer, site, value, prompt_rows)
+
+    remaining = max(len(s) - p for s, p in zip(seqs, prompt_lengths))
+    batch, logits = engine.prefill([s[:p] for s, p in zip(seqs, prompt_lengths)], max(map(len, seqs)),
+                                   all_logits=True, record=record_prefill)
+    sink.put(None, "logprobs", token_logprobs(logits.cpu(), targets[prompt_rows]), prompt_rows)
+    for j in range(remaining):
+        active = [n for n, (s, p) in enumerate(zip(seqs, prompt_lengths)) if p + j < len(s)]
+        rows = torch.tensor([int(starts[n]) + prompt_lengths[n] + j for n in active])
+        feed = torch.tensor([s[p + j] if p + j < len(s) else 0 for s, p in zip(seqs, prompt_lengths)],
+                            device=model.device)
+
+        def record_step(layer, site, value, active=active, rows=rows):
+            if site != "logits":
+                sink.put(layer, site, value[active], rows)
+
+        step_logits = engine.step(batch, feed, record=record_step)
+        sink.put(None, "logprobs", token_logprobs(step_logits[active].cpu(), targets[rows]), rows)
+    return capture
+
+
+@torch.no_grad()
+def capture_reference(ref, sequences, **manifest) -> Capture:
+    """transformers' Glm5NextForConditionalGeneration, one unpadded sequence at a time, through hooks."""
+    text = ref.model.language_model
+    config = ref.config.get_text_config()
+    input_ids, packed = pack(sequences)
+    capture = Capture(input_ids, packed.cu_seqlens,
+                      manifest=_manifest("reference", config, ref.dtype, ref.device, **manifest))
+    sink = _Collector(capture, packed.num_tokens)
+    targets = next_token_targets(input_ids, packed)
+    rows_now = {}
+
+    def put(layer, site, value):
+        sink.put(layer, site, value.reshape(-1, *value.shape[2:]), rows_now["rows"])
+
+    last_topk = {}
+    hooks = [h for i, layer in enumerate(text.layers) for h in hook_reference_layer(layer, i, put, last_topk)]
+    hooks.append(text.norm.register_forward_hook(lambda m, a, out: put(None, "final_hidden", out)))
+    try:
+        for n, (start, end) in enumerate(packed.bounds()):
+            rows_now["rows"] = torch.arange(start, end)
+            ids = input_ids[start:end][None].to(ref.device)
+            logits = ref(input_ids=ids).logits[0].float().cpu()
+            sink.put(None, "logprobs", token_logprobs(logits, targets[start:end]), rows_now["rows"])
+    finally:
+        for h in hooks:
+            h.remove()
+    return capture
+
+
+def hook_reference_layer(layer, i: int, put, last_topk: dict) -> list:
+    """Forward hooks on one transformers decoder layer reporting its sites to put(layer, site, tensor).
+    `last_topk` carries a full indexer's selection to the "shared" DSA layer after it."""
+    hooks = []
+
+    def add(module, fn, pre=False):
+        # hooks must return None, or torch would replace the module's output with their result
+        def call(m, args, out=None):
+            fn(args, out)
+
+        hooks.append(module.register_forward_pre_hook(lambda m, a: call(m, a)) if pre
+                     else module.register_forward_hook(call))
+
+    def first(out):
+        return out[0] if isinstance(out, tuple) else out
+
+    for prefix in ("attn_hc", "ffn_hc"):
+        add(getattr(layer, prefix), lambda a, out, p=prefix: [put(i, f"{p}.post", out[0]), put(i, f"{p}.comb", out[1])])
+    add(layer.input_layernorm, lambda a, out: put(i, "attn_in", out))
+    add(layer.self_attn, lambda a, out: put(i, "attn_out", first(out)))
+    if getattr(layer.self_attn, "indexer", None) is not None:
+        add(layer.self_attn.indexer, lambda a, out: [last_topk.__setitem__("t", out), put(i, "indexer_topk", out)])
+    elif layer.block_type != "linear_attention":
+        add(layer.self_attn, lambda a, out: put(i, "indexer_topk", last_topk["t"]), pre=True)
+    add(layer.ffn_hc, lambda a, out: put(i, "streams_after_attn", a[0]), pre=True)
+    add(layer.post_attention_layernorm, lambda a, out: put(i, "mlp_in", out))
+    if hasattr(layer.mlp, "gate") and hasattr(layer.mlp, "experts"):
+        add(layer.mlp.gate, lambda a, out: [put(i, "router_experts", out[2][None]), put(i, "router_weights", out[1][None])])
+    add(layer.mlp, lambda a, out: put(i, "mlp_out", out))
+    add(layer, lambda a, out: put(i, "streams_after_ffn", first(out)))
+    return hooks
+
+
+class HookCapturer:
+    """Capture any torch model in glmkit's format from a map of module-name patterns to sites.
+
+        site_map = {r"decoder\\.layers\\.(\\d+)\\.mlp$": "mlp_out", r"final_norm$": "final_hidden"}
+        with HookCapturer(model, site_map) as cap:
+            model(tokens)                       # however that framework runs
+        capture = cap.to_capture(input_ids, cu_seqlens, path="megatron")
+
+    A pattern's first group (if any) is the layer number. `rows(module_name, output)` turns a module
+    output into [tokens, ...] rows in the input's token order (default: first tensor of the output,
+    leading dims flattened); give one that undoes the framework's layout ([S, B, D], padding, ...).
+    """
+
+    def __init__(self, model, site_map: dict, rows=None):
+        self.model, self.rows = model, rows or self._default_rows
+        self.patterns = [(re.compile(p), site) for p, site in site_map.items()]
+        self.outputs, self.hooks = {}, []
+
+    @staticmethod
+    def _default_rows(name, output):
+        t = output[0] if isinstance(output, (tuple, list)) else output
+        return t.reshape(-1, *t.shape[2:]) if t.dim() > 2 else t
+
+    def __enter__(self):
+        for name, module in self.model.named_modules():
+            for pattern, site in self.patterns:
+                m = pattern.search(name)
+                if m:
+                    layer = int(m.group(1)) if m.groups() else None
+                    self.hooks.append(module.register_forward_hook(
+                        lambda mod, a, out, key=(layer, site), name=name:
+                        self.outputs.setdefault(key, []).append(self.rows(name, out).detach().cpu())))
+        return self
+
+    def __exit__(self, *exc):
+        for h in self.hooks:
+            h.remove()
+
+    def to_capture(self, input_ids, cu_seqlens, **manifest) -> Capture:
+        capture = Capture(torch.as_tensor(input_ids), torch.as_tensor(cu_seqlens),
+                          manifest={"mode": "end-to-end", **manifest})
+        for (layer, site), chunks in self.outputs.items():
+            capture.put(layer, site, canonical(site, torch.cat(chunks)))
+        return capture

@@ -1,0 +1,172 @@
+"""Compare two captures site by site, name the first divergence, and compute the recipe's
+train/rollout log-prob metric.
+
+Per value site: max |a - b|, relative RMS ||a - b|| / ||a|| (the ratio fla's tests use), cosine,
+NaN/Inf counts, and the error per token row. Per index site (indexer top-k, router experts):
+Jaccard overlap of the row sets and the fraction of rows with identical sets.
+A site diverges when its relative RMS is over the dtype's threshold (or, for index sites, when
+fewer than `identical` of its rows agree). Sites are ordered by layer, then by where they occur
+in the block, so the first divergence is the earliest place the two paths part ways.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from glmkit.model.sites import FINAL, INDEX_SITES, PER_LAYER
+from glmkit.parity.dump import Capture
+
+# Defaults: fp32 paths agree to ~1e-6 (the reference's own padding floor is ~1.5e-5); bf16 rounds
+# every activation (2^-8 relative) and through a few layers lands at ~1e-2.
+THRESHOLDS = {
+    "float32": {"rel_rms": 1e-4, "identical": 0.99},
+    "bfloat16": {"rel_rms": 5e-2, "identical": 0.9},
+}
+
+
+@dataclass
+class SiteResult:
+    layer: int | None
+    site: str
+    kind: str                      # "values" or "indices"
+    max_abs: float | None = None
+    rel_rms: float | None = None
+    cosine: float | None = None
+    nan: int = 0
+    inf: int = 0
+    jaccard: float | None = None
+    identical: float | None = None
+    diverged: bool = False
+    per_row: list = field(default_factory=list)   # error per token row (rel error, or 1 - Jaccard)
+
+    def public(self) -> dict:
+        d = asdict(self)
+        d.pop("per_row")
+        return d
+
+
+@dataclass
+class LogprobDiff:
+    """The recipe's train/train_rollout_logprob_abs_diff: mean over samples of each sample's mean
+    |logp_a - logp_b| over its response tokens."""
+
+    value: float
+    per_token: list
+    worst: list                    # [{"sequence", "position", "a", "b", "abs_diff"}], largest first
+
+
+@dataclass
+class ParityResult:
+    path_a: str
+    path_b: str
+    dtype: str
+    mode: str
+    thresholds: dict
+    sites: list
+    first_divergence: SiteResult | None
+    logprob: LogprobDiff | None
+    skipped_sites: list
+
+    @property
+    def verdict(self) -> str:
+        return "fail" if self.first_divergence is not None else "pass"
+
+    def to_json(self) -> dict:
+        return {
+            "verdict": self.verdict,
+            "first_divergence": None if self.first_divergence is None else self.first_divergence.public(),
+            "logprob_abs_diff": None if self.logprob is None else self.logprob.value,
+            "logprob_worst_tokens": None if self.logprob is None else self.logprob.worst,
+            "paths": [self.path_a, self.path_b], "dtype": self.dtype, "mode": self.mode,
+            "thresholds": self.thresholds, "skipped_sites": self.skipped_sites,
+            "sites": [s.public() for s in self.sites],
+        }
+
+
+def _order(key):
+    layer, site = key
+    if layer is None:
+        return (float("inf"), FINAL.index(site) if site in FINAL else len(FINAL))
+    return (layer, PER_LAYER.index(site) if site in PER_LAYER else len(PER_LAYER))
+
+
+def compare_values(a: torch.Tensor, b: torch.Tensor, layer, site, threshold: float) -> SiteResult:
+    if a.shape != b.shape:
+        raise ValueError(f"site {layer}/{site}: shapes differ, {tuple(a.shape)} vs {tuple(b.shape)}")
+    a64, b64 = a.double(), b.double()
+    finite = torch.isfinite(a64) & torch.isfinite(b64)
+    diff = torch.where(finite, a64 - b64, torch.zeros_like(a64))
+    ref = torch.where(finite, a64, torch.zeros_like(a64))
+    norm = ref.norm().clamp_min(1e-30)
+    rel = (diff.norm() / norm).item()
+    cos = torch.nn.functional.cosine_similarity(ref.flatten(), torch.where(finite, b64, 0).flatten(), dim=0,
+                                                eps=1e-30).item()
+    rows = diff.reshape(len(a), -1).norm(dim=-1) / ref.reshape(len(a), -1).norm(dim=-1).clamp_min(1e-30)
+    nan = int(torch.isnan(a).sum() + torch.isnan(b).sum())
+    inf = int(torch.isinf(a).sum() + torch.isinf(b).sum())
+    return SiteResult(layer, site, "values", diff.abs().max().item() if diff.numel() else 0.0, rel, cos, nan, inf,
+                      diverged=rel > threshold or nan > 0 or inf > 0, per_row=rows.tolist())
+
+
+def compare_indices(a: torch.Tensor, b: torch.Tensor, layer, site, identical_needed: float) -> SiteResult:
+    if len(a) != len(b):
+        raise ValueError(f"site {layer}/{site}: {len(a)} rows vs {len(b)}")
+    jaccards = []
+    for row_a, row_b in zip(a.tolist(), b.tolist()):
+        sa, sb = {x for x in row_a if x >= 0}, {x for x in row_b if x >= 0}
+        union = sa | sb
+        jaccards.append(len(sa & sb) / len(union) if union else 1.0)
+    jac = torch.tensor(jaccards, dtype=torch.float64)
+    same = (jac == 1.0).double().mean().item()
+    return SiteResult(layer, site, "indices", jaccard=jac.mean().item(), identical=same,
+                      diverged=same < identical_needed, per_row=(1 - jac).tolist())
+
+
+def logprob_abs_diff(a: Capture, b: Capture, response_starts=None, worst: int = 10) -> LogprobDiff | None:
+    """Over response tokens: positions p >= response_start of each sequence (whose log-prob is that of
+    token p+1); default response_start = 0, i.e. every predicted token."""
+    la, lb = a.tensors.get((None, "logprobs")), b.tensors.get((None, "logprobs"))
+    if la is None or lb is None:
+        return None
+    diff = (la.double() - lb.double()).abs()
+    per_sample, per_token, rows = [], [], []
+    for n, (s, e) in enumerate(zip(a.cu_seqlens[:-1].tolist(), a.cu_seqlens[1:].tolist())):
+        start = s + (response_starts[n] if response_starts is not None else 0)
+        idx = torch.arange(max(start, s), e - 1)  # the last token has no target
+        if len(idx) == 0:
+            continue
+        per_sample.append(diff[idx].mean().item())
+        per_token.extend(diff[idx].tolist())
+        rows.extend((n, int(i) - s, la[i].item(), lb[i].item(), diff[i].item()) for i in idx)
+    rows.sort(key=lambda r: -r[4])
+    return LogprobDiff(sum(per_sample) / max(1, len(per_sample)), per_token,
+                       [{"sequence": r[0], "position": r[1], "a": r[2], "b": r[3], "abs_diff": r[4]}
+                        for r in rows[:worst]])
+
+
+def compare(a: Capture, b: Capture, dtype: str = "float32", thresholds: dict | None = None,
+            response_starts=None) -> ParityResult:
+    """Compare every site both captures hold. Raises ValueError when they ran on different inputs."""
+    if a.input_sha256 != b.input_sha256:
+        raise ValueError(f"captures ran on different inputs (input sha256 {a.input_sha256[:12]} vs "
+                         f"{b.input_sha256[:12]}, lengths {a.lengths} vs {b.lengths})")
+    if dtype not in THRESHOLDS:
+        raise ValueError(f"no default thresholds for dtype {dtype!r}; allowed: {', '.join(THRESHOLDS)}")
+    limits = dict(THRESHOLDS[dtype], **(thresholds or {}))
+    common = sorted(set(a.tensors) & set(b.tensors), key=_order)
+    skipped = sorted(f"{k[0]}/{k[1]}" for k in set(a.tensors) ^ set(b.tensors))
+    results = []
+    for layer, site in common:
+        if site == "logprobs":
+            continue
+        ta, tb = a.tensors[(layer, site)], b.tensors[(layer, site)]
+        if site in INDEX_SITES:
+            results.append(compare_indices(ta, tb, layer, site, limits["identical"]))
+        else:
+            results.append(compare_values(ta, tb, layer, site, limits["rel_rms"]))
+    first = next((r for r in results if r.diverged), None)
+    return ParityResult(a.manifest.get("path", "a"), b.manifest.get("path", "b"), dtype,
+                        "streaming" if "streaming" in (a.manifest.get("mode"), b.manifest.get("mode")) else "end-to-end",
+                        limits, results, first, logprob_abs_diff(a, b, response_starts), skipped)

@@ -1,0 +1,111 @@
+"""The capture format every path writes: one directory per capture.
+
+    DIR/manifest.json       {"format": "glmkit-capture/1", "path", "model", "variant", "checkpoint", "dtype",
+                             "device", "mode", "input_sha256", "lengths", "prompt_lengths", "sites", "glmkit"}
+    DIR/tensors.safetensors one tensor per site, rows = tokens of all sequences end to end
+                            key "L{layer:03d}/{site}" (per layer) or "final/{site}"; plus
+                            "input/ids" [T] and "input/cu_seqlens" [N+1]
+
+Per-token rows let paths that run differently (packed, left-padded, prefill + decode) line up.
+Index sites (indexer_topk, router_experts) hold sequence-local token positions / expert ids, -1 = empty.
+Written to a temporary sibling directory and renamed into place when complete.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+FORMAT = "glmkit-capture/1"
+
+
+def site_key(layer: int | None, site: str) -> str:
+    return f"final/{site}" if layer is None else f"L{layer:03d}/{site}"
+
+
+def parse_key(key: str) -> tuple[int | None, str]:
+    head, site = key.split("/", 1)
+    return (None, site) if head == "final" else (int(head[1:]), site)
+
+
+def input_hash(input_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> str:
+    h = hashlib.sha256()
+    h.update(input_ids.to(torch.int64).cpu().numpy().tobytes())
+    h.update(cu_seqlens.to(torch.int64).cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+@dataclass
+class Capture:
+    """Sites of one path on one input. tensors: {(layer, site): [T, ...]} in token order."""
+
+    input_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    tensors: dict = field(default_factory=dict)
+    manifest: dict = field(default_factory=dict)
+
+    @property
+    def lengths(self) -> list[int]:
+        return (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).tolist()
+
+    @property
+    def input_sha256(self) -> str:
+        return input_hash(self.input_ids, self.cu_seqlens)
+
+    def put(self, layer, site, rows: torch.Tensor):
+        self.tensors[(layer, site)] = rows.detach().to("cpu").contiguous()
+
+
+def save_capture(capture: Capture, out: str | os.PathLike) -> Path:
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"{out}: exists and is not empty")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        tensors = {site_key(layer, site): t for (layer, site), t in capture.tensors.items()}
+        tensors["input/ids"] = capture.input_ids.cpu().contiguous()
+        tensors["input/cu_seqlens"] = capture.cu_seqlens.cpu().contiguous()
+        save_file(tensors, str(staging / "tensors.safetensors"), metadata={"format": FORMAT})
+        manifest = dict(capture.manifest, format=FORMAT, input_sha256=capture.input_sha256,
+                        lengths=capture.lengths, sites=sorted(k for k in tensors if not k.startswith("input/")))
+        (staging / "manifest.json").write_text(json.dumps(manifest, indent=2))
+        if out.exists():
+            out.rmdir()
+        os.replace(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out
+
+
+def load_capture(path: str | os.PathLike) -> Capture:
+    path = Path(path)
+    manifest_file, tensor_file = path / "manifest.json", path / "tensors.safetensors"
+    if not manifest_file.is_file() or not tensor_file.is_file():
+        raise ValueError(f"{path}: not a capture directory (needs manifest.json and tensors.safetensors)")
+    try:
+        manifest = json.loads(manifest_file.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{manifest_file}: unreadable JSON: {err}") from err
+    if manifest.get("format") != FORMAT:
+        raise ValueError(f"{manifest_file}: format {manifest.get('format')!r}, expected {FORMAT!r}")
+    with safe_open(str(tensor_file), "pt") as f:
+        keys = list(f.keys())
+        for needed in ("input/ids", "input/cu_seqlens"):
+            if needed not in keys:
+                raise ValueError(f"{tensor_file}: missing tensor {needed!r}")
+        capture = Capture(f.get_tensor("input/ids"), f.get_tensor("input/cu_seqlens"), manifest=manifest)
+        for key in keys:
+            if not key.startswith("input/"):
+                capture.tensors[parse_key(key)] = f.get_tensor(key)
+    return capture
