@@ -1,5 +1,6 @@
 # Two commands on a fresh machine:
-#   make report   the main job: glmkit check on the embedded tiny variant -> reports/check/check.html
+#   make report   the main job: notebook 01 (layer parity) headless on the embedded tiny variant
+#                 -> reports/01_layer_parity/01_layer_parity.html
 #   make test     the whole test suite
 # Each creates or updates the virtual env .venv first (pinned installs from constraints/cpu.txt).
 
@@ -19,7 +20,7 @@ $(STAMP): pyproject.toml constraints/cpu.txt
 	touch $(STAMP)
 
 report: setup
-	$(VENV)/bin/glmkit check --variant tiny --out reports/check
+	$(VENV)/bin/glmkit report notebooks/01_layer_parity.ipynb --out reports/01_layer_parity -p variant tiny
 
 test: setup
 	$(PY) -m pytest -q

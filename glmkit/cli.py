@@ -213,6 +213,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("variants", help="list the model variants")
     p.set_defaults(func=cmd_variants)
+
+    from glmkit.notebook import add_report_command
+
+    add_report_command(sub)
     return parser
 
 

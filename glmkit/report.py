@@ -9,7 +9,6 @@ import io
 import json
 import os
 import platform
-import tempfile
 from importlib import metadata
 from pathlib import Path
 
@@ -25,13 +24,16 @@ def versions() -> dict[str, str]:
 
 
 def write_atomic(path: Path, data: bytes | str) -> Path:
-    """Write to a temporary sibling, then rename over `path`."""
+    """Write to a temporary sibling, then rename over `path` (a reader never sees half a file).
+    Opened with open(), not mkstemp, so the file gets the umask's usual permissions."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data.encode() if isinstance(data, str) else data)
-    os.replace(tmp, path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_bytes(data.encode() if isinstance(data, str) else data)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
     return path
 
 

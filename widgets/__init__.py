@@ -1,1 +1,7 @@
 """ipywidgets views used by the notebooks (glmkit itself never imports this package)."""
+
+from widgets.parity import (KdaErrorCurve, LogprobHistogram, SiteHeatmap, TopkOverlap, VerdictBanner,
+                            figure_png, show)
+
+__all__ = ["SiteHeatmap", "LogprobHistogram", "KdaErrorCurve", "TopkOverlap", "VerdictBanner", "show",
+           "figure_png"]

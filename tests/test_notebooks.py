@@ -1,0 +1,117 @@
+"""The notebooks run headless (papermill) into self-contained HTML reports, as CI runs them."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from glmkit.checkpoint import synth_checkpoint
+from glmkit.notebook import main, parse_value, run_notebook
+
+NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
+LAYER_PARITY = NOTEBOOKS / "01_layer_parity.ipynb"
+INLINE_PNG = re.compile(r'<img[^>]+src="data:image/png;base64,')
+
+
+@pytest.fixture(scope="module")
+def passing_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("nb-pass") / "report"
+    return out, run_notebook(LAYER_PARITY, out, {})
+
+
+def test_committed_notebooks_have_no_outputs():
+    for path in NOTEBOOKS.glob("*.ipynb"):
+        nb = nbformat.read(str(path), as_version=4)
+        nbformat.validate(nb)
+        for cell in nb.cells:
+            if cell.cell_type == "code":
+                assert not cell.outputs and cell.execution_count is None, f"{path.name}: clear its outputs"
+        first_code = next(c for c in nb.cells if c.cell_type == "code")
+        assert "parameters" in first_code.metadata.get("tags", []), f"{path.name}: tag the first code cell"
+
+
+def test_layer_parity_passes_on_tiny(passing_run):
+    out, page = passing_run
+    assert page == out.resolve() / "01_layer_parity.html"
+    data = json.loads((out / "parity.json").read_text())
+    assert data["verdict"] == "pass" and data["first_divergence"] is None
+    assert data["paths"] == ["reference", "train"] and data["train_rollout"]["verdict"] == "pass"
+    assert data["train_rollout"]["logprob_abs_diff"] < 1e-4
+    assert data["parameters"]["seq_len"] == 64 and data["parameters"]["out_dir"] == str(out.resolve())
+    assert set(data["kda_max_rel_error"]) == {"0", "1", "2"}
+    text = page.read_text()
+    assert text.index('id="glmkit-report-header"') < text.index("<main")  # header at the very top
+    assert "verdict: PASS" in text
+    for name, value in (("variant", "&quot;tiny&quot;"), ("paths", "&quot;reference,train&quot;"),
+                        ("seq_len", "64"), ("out_dir", f"&quot;{out.resolve()}&quot;")):
+        assert re.search(rf"<td>{name}</td><td><code>{re.escape(value)}", text), name
+    assert re.search(r"torch 2\.\d+", text)
+    assert len(INLINE_PNG.findall(text)) >= 4
+    # what stays next to the report: the executed notebook, and no temporary or failure files
+    assert (out / "01_layer_parity.ipynb").is_file()
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".") or "failed" in p.name) == []
+
+
+def test_layer_parity_fails_against_another_checkpoint(tmp_path, capsys):
+    other = synth_checkpoint("tiny", 1, tmp_path / "other", progress=False)
+    out = tmp_path / "report"
+    assert main(["report", str(LAYER_PARITY), "--out", str(out), "-p", "checkpoint_b", str(other)]) == 1
+    assert "verdict: fail" in capsys.readouterr().out
+    data = json.loads((out / "parity.json").read_text())
+    assert data["verdict"] == "fail" and data["parameters"]["checkpoint_b"] == str(other)
+    first = data["first_divergence"]
+    assert first["layer"] == 0 and first["rel_rms"] > data["thresholds"]["rel_rms"]
+    text = (out / "01_layer_parity.html").read_text()
+    assert "verdict: FAIL" in text and len(INLINE_PNG.findall(text)) >= 4
+
+
+def small_notebook(path: Path, body: str) -> Path:
+    nb = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_code_cell("out_dir = None\nmessage = 'hi'", metadata={"tags": ["parameters"]}),
+        nbformat.v4.new_code_cell(body)])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, str(path))
+    return path
+
+
+def test_notebook_without_verdict_reports_unknown_and_exits_0(tmp_path, capsys):
+    notebook = small_notebook(tmp_path / "hello.ipynb", "print(message * 2)")
+    out = tmp_path / "report"
+    assert main(["report", str(notebook), "--out", str(out), "-p", "message", "yo"]) == 0
+    assert "verdict: unknown" in capsys.readouterr().out
+    text = (out / "hello.html").read_text()
+    assert "verdict: UNKNOWN" in text and "yoyo" in text and "&quot;yo&quot;" in text
+
+
+def test_failing_notebook_keeps_the_executed_copy_and_no_html(tmp_path, capsys):
+    notebook = small_notebook(tmp_path / "broken.ipynb", "raise RuntimeError('boom: ' + message)")
+    out = tmp_path / "report"
+    assert main(["report", str(notebook), "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "boom: hi" in err and "broken.failed.ipynb" in err
+    failed = nbformat.read(str(out / "broken.failed.ipynb"), as_version=4)
+    assert any(o.get("ename") == "RuntimeError" for c in failed.cells for o in c.get("outputs", []))
+    assert sorted(p.name for p in out.iterdir()) == ["broken.failed.ipynb"]
+    from papermill.exceptions import PapermillExecutionError
+
+    with pytest.raises(PapermillExecutionError):
+        run_notebook(notebook, out, {})
+
+
+def test_bad_input_exits_2(tmp_path, capsys):
+    assert main(["report", str(tmp_path / "missing.ipynb"), "--out", str(tmp_path / "r")]) == 2
+    assert "no such notebook" in capsys.readouterr().err
+    notebook = small_notebook(tmp_path / "self.ipynb", "pass")
+    assert main(["report", str(notebook), "--out", str(tmp_path)]) == 2
+    assert "would overwrite the notebook" in capsys.readouterr().err
+
+
+def test_parameter_values_parse_as_json_else_text():
+    assert parse_value("64") == 64 and parse_value("1e-4") == 1e-4 and parse_value("null") is None
+    assert parse_value('{"rel_rms": 1e-4}') == {"rel_rms": 1e-4} and parse_value("true") is True
+    assert parse_value("tiny") == "tiny" and parse_value("reference,train") == "reference,train"
+    assert parse_value("/tmp/ck") == "/tmp/ck"
