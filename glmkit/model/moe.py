@@ -30,11 +30,13 @@ class Router(nn.Module):
         self.top_k, self.scaling, self.norm_topk = top_k, scaling, norm_topk
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor | None = None) -> Routing:
-        """x [T, D]. `experts` [T, k] replays a given choice (routing replay); weights are still
-        computed from this forward's scores so gradients flow through the router."""
+        """x [T, D]. `experts` [T, k] replays a given choice (routing replay; a row of -1 lets this
+        forward choose); weights are still computed from this forward's scores, so gradients flow
+        through the router."""
         scores = F.linear(x.float(), self.weight.float()).sigmoid()
-        if experts is None:
-            experts = torch.topk(scores + self.e_score_correction_bias, self.top_k, dim=-1, sorted=False).indices
+        if experts is None or (experts < 0).any():  # rows of -1 in a replay: this forward chooses
+            own = torch.topk(scores + self.e_score_correction_bias, self.top_k, dim=-1, sorted=False).indices
+            experts = own if experts is None else torch.where(experts >= 0, experts, own)
         weights = scores.gather(1, experts)
         if self.norm_topk:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)

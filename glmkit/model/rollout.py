@@ -40,10 +40,14 @@ class SamplingParams:
 
 @dataclass
 class Completion:
+    """tokens and their log-probs; routing (when recorded) {layer: experts [len(prompt) + len(tokens) - 1, k]}
+    = the experts each fed token was routed to (the last sampled token is never fed)."""
+
     prompt: list
     tokens: list = field(default_factory=list)
     logprobs: list = field(default_factory=list)
     finish_reason: str = "length"
+    routing: dict | None = None
 
 
 @dataclass
@@ -87,18 +91,28 @@ class RolloutEngine:
         return self.model.lm_head(hidden).float()
 
     @torch.no_grad()
-    def generate(self, prompts, params: SamplingParams, seed: int = 0) -> list[Completion]:
+    def generate(self, prompts, params: SamplingParams, seed: int = 0, record_routing: bool = False) -> list[Completion]:
+        """Sample a completion for every prompt (batched, different lengths). With record_routing,
+        each completion carries the experts its tokens were routed to (for routing replay)."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("generate needs at least one prompt and every prompt needs at least one token")
         generator = torch.Generator(device=self.model.device).manual_seed(seed)
         capacity = max(len(p) for p in prompts) + params.max_new_tokens
-        batch, logits = self.prefill(prompts, capacity)
-        done = [Completion(prompt=list(map(int, p))) for p in prompts]
+        done = [Completion(prompt=list(map(int, p)), routing={} if record_routing else None) for p in prompts]
+        starts = torch.tensor([0, *torch.tensor([len(p) for p in prompts]).cumsum(0).tolist()])
+
+        def prefill_routes(layer, site, value):
+            if site == "router_experts":
+                for i, c in enumerate(done):
+                    c.routing[layer] = [value[starts[i]:starts[i + 1]].cpu()]
+
+        batch, logits = self.prefill(prompts, capacity, record=prefill_routes if record_routing else None)
         active = torch.ones(len(prompts), dtype=torch.bool, device=logits.device)
         stop = torch.tensor(params.stop_token_ids, dtype=torch.long, device=logits.device)
         for step in range(params.max_new_tokens):
             tokens, logprobs = sample(logits, params, generator)
-            for i in active.nonzero().flatten().tolist():
+            live = active.nonzero().flatten().tolist()
+            for i in live:
                 done[i].tokens.append(int(tokens[i]))
                 done[i].logprobs.append(float(logprobs[i]))
             finished = active & torch.isin(tokens, stop)
@@ -107,7 +121,17 @@ class RolloutEngine:
             active &= ~finished
             if not active.any() or step == params.max_new_tokens - 1:
                 break
-            logits = self.step(batch, tokens)
+            feeding = active.nonzero().flatten().tolist()
+
+            def step_routes(layer, site, value, feeding=feeding):
+                if site == "router_experts":
+                    for i in feeding:
+                        done[i].routing[layer].append(value[i:i + 1].cpu())
+
+            logits = self.step(batch, tokens, record=step_routes if record_routing else None)
+        if record_routing:
+            for c in done:
+                c.routing = {layer: torch.cat(rows) for layer, rows in c.routing.items()}
         return done
 
 

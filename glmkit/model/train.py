@@ -22,13 +22,15 @@ _LOGIT_ROWS = 4096
 @dataclass
 class TrainOutput:
     """logprobs [T] of `targets` [T] (0 where target is -100); logits [T, V] when requested;
-    routing {layer: experts [T, k]} the MoE layers chose."""
+    routing {layer: experts [T, k]} the MoE layers chose; entropy [T] of softmax(logits / T) when
+    requested."""
 
     logprobs: torch.Tensor
     targets: torch.Tensor
     packed: Packed
     logits: torch.Tensor | None
     routing: dict
+    entropy: torch.Tensor | None = None
 
 
 def next_token_targets(input_ids: torch.Tensor, packed: Packed) -> torch.Tensor:
@@ -37,6 +39,11 @@ def next_token_targets(input_ids: torch.Tensor, packed: Packed) -> torch.Tensor:
     targets[:-1] = input_ids[1:]
     targets[packed.last_indices()] = -100
     return targets
+
+
+def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    logp = torch.log_softmax(logits.float() / temperature, dim=-1)
+    return -(logp.exp() * logp).sum(-1)
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -52,7 +59,7 @@ class TrainPath:
         self.kda = get_backend(kda_backend)
 
     def forward(self, sequences=None, *, input_ids=None, packed=None, targets=None, temperature=1.0,
-                return_logits=False, routing=None, record=None) -> TrainOutput:
+                return_logits=False, return_entropy=False, routing=None, record=None) -> TrainOutput:
         """Give `sequences` (list of token lists) or `input_ids` [T] + `packed`. `routing` replays
         experts per MoE layer ({layer: [T, k]}); `record(layer, site, tensor)` observes every site."""
         device = self.model.device
@@ -70,15 +77,17 @@ class TrainPath:
 
         run = Run(kda=self.kda, packed=packed, record=observe, routing=dict(routing or {}))
         hidden = self.model.hidden(input_ids, run)
-        logprobs, logits = [], []
+        logprobs, logits, entropy = [], [], []
         for r0 in range(0, hidden.shape[0], _LOGIT_ROWS):
             chunk = self.model.lm_head(hidden[r0:r0 + _LOGIT_ROWS])
             logprobs.append(token_logprobs(chunk, targets[r0:r0 + _LOGIT_ROWS], temperature))
             if return_logits:
                 logits.append(chunk)
+            if return_entropy:
+                entropy.append(token_entropy(chunk, temperature))
         if record is not None:
             if return_logits:
                 record(None, "logits", torch.cat(logits))
             record(None, "logprobs", torch.cat(logprobs))
         return TrainOutput(torch.cat(logprobs), targets, packed, torch.cat(logits) if return_logits else None,
-                           chosen)
+                           chosen, torch.cat(entropy) if return_entropy else None)
