@@ -109,6 +109,61 @@ def cmd_capture(args) -> int:
     return 0
 
 
+def _train_config(args):
+    from dataclasses import fields
+
+    from glmkit.rl.loop import TrainConfig
+
+    names = {f.name for f in fields(TrainConfig)}
+    return TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def cmd_train(args) -> int:
+    from glmkit.rl.health import format_table, verdicts
+    from glmkit.rl.loop import GRPOTrainer
+
+    trainer = GRPOTrainer(_train_config(args))
+    cfg = trainer.cfg
+    if trainer.problems:
+        print(f"{cfg.prompt_data}: skipped {len(trainer.problems)} malformed rows (first: {trainer.problems[0]})",
+              file=sys.stderr)
+    if trainer.lora_names:
+        print(f"LoRA rank {cfg.lora_rank}: {len(trainer.lora_names)} projections adapted, "
+              f"{sum(p.numel() for p in trainer.trainable)} trainable parameters")
+    history = trainer.run()
+    first, last = history[0] if history else {}, history[-1] if history else {}
+    print(f"rollouts {cfg.num_rollout}: raw_reward {first.get('rollout/raw_reward', float('nan')):.3f} -> "
+          f"{last.get('rollout/raw_reward', float('nan')):.3f}; metrics: {cfg.metrics_out}")
+    print(format_table(verdicts(history, cfg.model_name)))
+    return 0
+
+
+def cmd_lora_prepare(args) -> int:
+    from glmkit.model import Glm5Model
+    from glmkit.rl import lora
+    from glmkit.rl.loop import TrainConfig
+    import torch
+
+    cfg = _train_config(args).resolved() if args.checkpoint or args.model_name == "tiny" else None
+    if cfg is not None:
+        from glmkit.checkpoint import open_checkpoint
+
+        config = open_checkpoint(cfg.checkpoint).config
+    else:
+        from glmkit.config import variant_config
+
+        config = variant_config(args.model_name)
+    with torch.device("meta"):
+        model = Glm5Model(config)
+    names = lora.select(model, args.target_modules, args.exclude_modules)
+    for row in lora.table(model, names):
+        print(f"{row['module']:48s} {row['layer_type']:4s} {str(row['shape']):14s} "
+              f"rank-{args.lora_rank} adapter: {args.lora_rank * sum(row['shape'])} params")
+    print(f"{len(names)} projections adapted; frozen: routed experts, kv_b_proj, KDA conv1d / A_log / dt_bias / "
+          f"o_norm, the DSA indexer, the router and the mHC parameters")
+    return 0
+
+
 def cmd_ckpt_synth(args) -> int:
     from glmkit.checkpoint import synth_checkpoint
 
@@ -191,6 +246,58 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--kda-backend", default="torch", choices=list(BACKENDS))
     p.set_defaults(func=cmd_capture)
+
+    def train_arguments(p, lora_required=False):
+        from glmkit.rl.lora import DEFAULT_EXCLUDE
+        from glmkit.rl.loop import PRESETS
+
+        p.add_argument("--model-name", default="tiny", choices=list(PRESETS))
+        p.add_argument("--checkpoint", help="HF checkpoint directory (tiny: the shipped starting checkpoint)")
+        p.add_argument("--tokenizer", help="tokenizer directory (default: the checkpoint's own files)")
+        p.add_argument("--prompt-data", help="jsonl with chat prompts and labels (tiny: shipped synthetic arithmetic)")
+        p.add_argument("--input-key", default="prompt")
+        p.add_argument("--label-key", default="label")
+        p.add_argument("--rm-type", default="deepscaler", choices=["deepscaler", "math", "dapo"])
+        p.add_argument("--on-bad-row", default="skip", choices=["skip", "raise"])
+        p.add_argument("--num-rollout", type=int, default=20)
+        p.add_argument("--rollout-batch-size", type=int, default=8)
+        p.add_argument("--n-samples-per-prompt", type=int, default=8)
+        p.add_argument("--global-batch-size", type=int, default=64)
+        p.add_argument("--rollout-max-response-len", type=int)
+        p.add_argument("--rollout-temperature", type=float, default=1.0)
+        p.add_argument("--rollout-top-p", type=float, default=1.0)
+        p.add_argument("--lr", type=float, help="Adam learning rate (recipe: 1e-6; the tiny preset: 2e-4)")
+        p.add_argument("--eps-clip", type=float, default=0.2)
+        p.add_argument("--eps-clip-high", type=float, default=0.28)
+        p.add_argument("--kl-loss-coef", type=float, default=0.0)
+        p.add_argument("--kl-loss-type", default="low_var_kl", choices=["k1", "k2", "k3", "low_var_kl"])
+        p.add_argument("--entropy-coef", type=float, default=0.0)
+        p.add_argument("--enable-r3", action="store_true", help="routing replay: the trainer uses the rollout's experts")
+        p.add_argument("--lora-rank", type=int, default=8 if lora_required else 0)
+        p.add_argument("--lora-alpha", type=float, default=16.0)
+        p.add_argument("--target-modules", default="attn,mlp")
+        p.add_argument("--exclude-modules", default=DEFAULT_EXCLUDE)
+        p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+        p.add_argument("--dtype", default="float32", choices=list(DTYPES))
+        p.add_argument("--kda-backend", default="torch", choices=list(BACKENDS))
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--metrics-out", default="reports/train/metrics.jsonl")
+        p.add_argument("--save", help="checkpoint directory")
+        p.add_argument("--save-interval", type=int, default=0)
+        p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint under --save")
+
+    p = sub.add_parser("train", help="GRPO on the tiny variant or the 4-layer slice, metrics as JSONL")
+    train_arguments(p)
+    p.set_defaults(func=cmd_train)
+
+    lora_cmd = sub.add_parser("lora", help="native LoRA: prepare (validate and list targets) and train")
+    lora_sub = lora_cmd.add_subparsers(dest="lora_command", required=True, metavar="ACTION")
+    p = lora_sub.add_parser("prepare", help="validate the target selection and list the adapted projections")
+    train_arguments(p, lora_required=True)
+    p.set_defaults(func=cmd_lora_prepare)
+    p = lora_sub.add_parser("train", help="GRPO training only the LoRA adapters")
+    train_arguments(p, lora_required=True)
+    p.set_defaults(func=cmd_train)
 
     ckpt = sub.add_parser("ckpt", help="checkpoint tools").add_subparsers(dest="ckpt_command", required=True,
                                                                           metavar="ACTION")

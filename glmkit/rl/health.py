@@ -1,0 +1,78 @@
+"""The recipe's healthy-run table (seed section 5) as data, with a verdict per metric."""
+
+from __future__ import annotations
+
+# From the validation run in miles#2786 (16 nodes x 4 GB300, DAPO on DAPO-Math-17k).
+HEALTHY_FULL = {
+    "train/train_rollout_logprob_abs_diff": {"range": (0.0068, 0.0106), "note": "across the first 11 rollouts"},
+    "rollout/raw_reward": {"rise": (0.5, 0.94), "within": 10, "note": "0.5 -> 0.94 within 10 rollouts"},
+    "train/ppo_kl": {"about": 2.6e-4, "note": "~2.6e-4"},
+    "train/grad_norm": {"range": (0.31, 0.49), "note": "0.31 - 0.49"},
+}
+
+# What the recipe's numbers mean on each variant (None = compare as is).
+NOT_APPLICABLE = {
+    "tiny": {
+        "train/train_rollout_logprob_abs_diff": None,
+        "rollout/raw_reward": "the tiny preset learns synthetic arithmetic from a pre-trained start, not DAPO-Math",
+        "train/ppo_kl": "one optimizer step per rollout (rollout batch x samples = global batch): ~0 by construction",
+        "train/grad_norm": "a 1.5 MB model with a larger learning rate: its gradient scale is its own",
+    },
+    "GLM-5.3-Flash-4layer": {
+        "rollout/raw_reward": "a 4-layer slice is not expected to solve DAPO-Math",
+        "train/grad_norm": "the slice's gradient norm is not the full model's",
+    },
+    "GLM-5.3-Flash": {},
+}
+
+
+def verdicts(history: list[dict], variant: str) -> list[dict]:
+    """history: the per-rollout metric dicts of a run. -> one row per metric of the table:
+    {"metric", "expected", "observed", "verdict": "within range" | "outside" | "not applicable", "why"}."""
+    rows = []
+    skip = NOT_APPLICABLE.get(variant, {})
+    for metric, spec in HEALTHY_FULL.items():
+        values = [h[metric] for h in history if h.get(metric) is not None]
+        observed = _summary(metric, values, spec)
+        if skip.get(metric):
+            rows.append(dict(metric=metric, expected=spec["note"], observed=observed, verdict="not applicable",
+                             why=skip[metric]))
+            continue
+        if not values:
+            rows.append(dict(metric=metric, expected=spec["note"], observed=None, verdict="not applicable",
+                             why="not measured in this run"))
+            continue
+        ok, why = _check(values, spec)
+        rows.append(dict(metric=metric, expected=spec["note"], observed=observed,
+                         verdict="within range" if ok else "outside", why=why))
+    return rows
+
+
+def _summary(metric, values, spec):
+    if not values:
+        return None
+    if "rise" in spec:
+        return f"{values[0]:.3g} -> {max(values[:spec['within']]):.3g} (first {min(len(values), spec['within'])})"
+    return f"{min(values):.3g} - {max(values):.3g}"
+
+
+def _check(values, spec) -> tuple[bool, str]:
+    if "range" in spec:
+        lo, hi = spec["range"]
+        first = values[:11]
+        inside = sum(lo <= v <= hi for v in first)
+        return inside == len(first), f"{inside}/{len(first)} rollouts inside [{lo}, {hi}]"
+    if "rise" in spec:
+        start, end = spec["rise"]
+        best = max(values[:spec["within"]])
+        return best >= end * 0.9 and values[0] <= best, f"best {best:.3g} within {spec['within']} rollouts"
+    about = spec["about"]
+    mean = sum(values) / len(values)
+    return about / 10 <= abs(mean) <= about * 10, f"mean {mean:.3g}, within 10x of {about:g}"
+
+
+def format_table(rows: list[dict]) -> str:
+    lines = [f"{'metric':40s} {'expected':28s} {'observed':28s} verdict"]
+    for r in rows:
+        lines.append(f"{r['metric']:40s} {r['expected']:28s} {str(r['observed']):28s} {r['verdict']} ({r['why']})")
+    return "\n".join(lines)

@@ -1,0 +1,352 @@
+"""The GRPO loop: rollout with glmkit's engine, rewards, group advantages, PPO-clip updates on the
+train path, weight (or adapter) sync back to the engine, metrics as JSONL, checkpoints, resume.
+
+The rollout engine holds its own copy of the weights, as SGLang does beside Megatron: after every
+update the trainer's trainable tensors (the whole model, or only the LoRA adapters) are copied into it.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+from glmkit.rl import grpo
+from glmkit.rl.lora import DEFAULT_EXCLUDE
+
+ASSETS = Path(__file__).resolve().parents[1] / "assets"
+
+# Per --model-name defaults; anything given on the command line wins.
+PRESETS = {
+    # The tiny preset learns synthetic arithmetic from a briefly pre-trained start; it uses a larger
+    # learning rate than the recipe's 1e-6 (a 1.5 MB model moves too little at 1e-6 to see in 20 rollouts).
+    "tiny": dict(checkpoint=str(ASSETS / "tiny_start"), prompt_data=str(ASSETS / "arith" / "train.jsonl"),
+                 tokenizer=str(ASSETS / "tiny_tokenizer"), lr=2e-4, rollout_max_response_len=12),
+    "GLM-5.3-Flash-4layer": dict(prompt_data="/root/datasets/dapo-math-17k/dapo-math-17k.jsonl", lr=1e-6,
+                                 rollout_max_response_len=4096),
+}
+
+
+@dataclass
+class TrainConfig:
+    model_name: str = "tiny"
+    checkpoint: str | None = None
+    tokenizer: str | None = None          # default: the checkpoint's own tokenizer files
+    prompt_data: str | None = None
+    input_key: str = "prompt"
+    label_key: str = "label"
+    apply_chat_template: bool = True
+    rm_type: str = "deepscaler"
+    on_bad_row: str = "skip"
+    num_rollout: int = 20
+    rollout_batch_size: int = 8
+    n_samples_per_prompt: int = 8
+    global_batch_size: int = 64
+    rollout_max_response_len: int | None = None
+    rollout_temperature: float = 1.0
+    rollout_top_p: float = 1.0
+    lr: float | None = None
+    eps_clip: float = 0.2
+    eps_clip_high: float = 0.28
+    kl_loss_coef: float = 0.0
+    kl_loss_type: str = "low_var_kl"
+    entropy_coef: float = 0.0
+    clip_grad: float = 1.0
+    enable_r3: bool = False
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    target_modules: str = "attn,mlp"
+    exclude_modules: str = DEFAULT_EXCLUDE
+    device: str = "cpu"
+    dtype: str = "float32"
+    kda_backend: str = "torch"
+    seed: int = 0
+    metrics_out: str = "reports/train/metrics.jsonl"
+    save: str | None = None
+    save_interval: int = 0
+    resume: bool = False
+    progress: bool = True
+    extra: dict = field(default_factory=dict)
+
+    def resolved(self) -> "TrainConfig":
+        """Fill unset fields from the --model-name preset and validate."""
+        if self.model_name not in PRESETS:
+            raise ValueError(f"unknown --model-name {self.model_name!r}; allowed: {', '.join(PRESETS)}")
+        cfg = copy.copy(self)
+        for key, value in PRESETS[self.model_name].items():
+            if getattr(cfg, key) is None:
+                setattr(cfg, key, value)
+        if cfg.checkpoint is None:
+            raise ValueError(f"--model-name {cfg.model_name} needs --checkpoint (an HF checkpoint directory)")
+        total = cfg.rollout_batch_size * cfg.n_samples_per_prompt
+        if cfg.global_batch_size < 1 or total % cfg.global_batch_size:
+            raise ValueError(f"--global-batch-size {cfg.global_batch_size} must divide rollout-batch-size x "
+                             f"n-samples-per-prompt = {total}")
+        if cfg.kl_loss_type not in grpo.KL_TYPES:
+            raise ValueError(f"--kl-loss-type {cfg.kl_loss_type!r}; allowed: {', '.join(grpo.KL_TYPES)}")
+        if cfg.save_interval and not cfg.save:
+            raise ValueError("--save-interval needs --save DIR")
+        return cfg
+
+
+# ------------------------------------------------------------------ checkpoints (safetensors only)
+
+def _save_checkpoint(cfg, step: int, policy, optimizer, lora_names) -> Path:
+    from glmkit.model import save_model
+    from glmkit.rl.lora import adapter_state
+
+    root = Path(cfg.save)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"iter_{step:07d}"
+    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))
+    try:
+        if lora_names:
+            save_file({k: v.detach().cpu().contiguous() for k, v in adapter_state(policy).items()},
+                      str(staging / "adapter.safetensors"))
+        else:
+            save_model(policy, staging / "model")
+        state = optimizer.state_dict()
+        tensors = {f"{i}.{k}": v.detach().cpu().contiguous() for i, s in state["state"].items()
+                   for k, v in s.items() if torch.is_tensor(v)}
+        save_file(tensors, str(staging / "optimizer.safetensors"))
+        (staging / "state.json").write_text(json.dumps({"step": step, "param_groups": state["param_groups"],
+                                                        "lora": lora_names, "config": asdict(cfg)}, default=str))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(staging, final)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    marker = root / "latest_checkpointed_iteration.txt"
+    (root / ".latest.tmp").write_text(str(step))
+    os.replace(root / ".latest.tmp", marker)
+    return final
+
+
+def _latest(cfg) -> Path | None:
+    marker = Path(cfg.save) / "latest_checkpointed_iteration.txt" if cfg.save else None
+    if marker is None or not marker.exists():
+        return None
+    return Path(cfg.save) / f"iter_{int(marker.read_text().strip()):07d}"
+
+
+def _restore_optimizer(optimizer, folder: Path, param_groups):
+    tensors = load_file(str(folder / "optimizer.safetensors"))
+    state = {}
+    for key, value in tensors.items():
+        idx, name = key.split(".", 1)
+        state.setdefault(int(idx), {})[name] = value
+    optimizer.load_state_dict({"state": state, "param_groups": param_groups})
+
+
+# ------------------------------------------------------------------ the loop
+
+class GRPOTrainer:
+    def __init__(self, cfg: TrainConfig):
+        from glmkit.model import RolloutEngine, TrainPath, load_model
+        from glmkit.rl import lora
+        from glmkit.rl.data import load_prompts
+        from glmkit.rl.tokenizer import load_tokenizer
+
+        self.cfg = cfg = cfg.resolved()
+        dtype = getattr(torch, cfg.dtype)
+        self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.checkpoint)
+        self.samples, self.problems = load_prompts(cfg.prompt_data, cfg.input_key, cfg.label_key, self.tokenizer,
+                                                   cfg.apply_chat_template, cfg.seed, cfg.on_bad_row)
+        if not self.samples:
+            raise ValueError(f"{cfg.prompt_data}: no usable prompts")
+        self.policy = load_model(cfg.checkpoint, dtype, cfg.device)
+        self.lora_names = []
+        if cfg.lora_rank:
+            self.lora_names = lora.select(self.policy, cfg.target_modules, cfg.exclude_modules)
+            lora.apply_lora(self.policy, self.lora_names, cfg.lora_rank, cfg.lora_alpha)
+        # the rollout engine's own copy (base and adapters), synced after every update
+        self.engine_model = copy.deepcopy(self.policy)
+        self.engine = RolloutEngine(self.engine_model, cfg.kda_backend)
+        self.train_path = TrainPath(self.policy, cfg.kda_backend)
+        self.reference = copy.deepcopy(self.policy).eval() if cfg.kl_loss_coef else None
+        self.trainable = [p for p in self.policy.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.Adam(self.trainable, lr=cfg.lr)
+        self.start_step = 0
+        if cfg.resume and (latest := _latest(cfg)) is not None:
+            self._resume(latest)
+        self.stop_ids = [t for t in (self.tokenizer.eos_token_id,) if t is not None]
+
+    def _resume(self, folder: Path):
+        from glmkit.checkpoint import open_checkpoint
+
+        state = json.loads((folder / "state.json").read_text())
+        if self.lora_names:
+            loaded = load_file(str(folder / "adapter.safetensors"))
+        else:
+            loaded = open_checkpoint(folder / "model").state_dict()
+        params = dict(self.policy.named_parameters())
+        with torch.no_grad():
+            for name, value in loaded.items():
+                params[name].copy_(value)
+        _restore_optimizer(self.optimizer, folder, state["param_groups"])
+        self.sync()
+        self.start_step = state["step"] + 1
+
+    @torch.no_grad()
+    def sync(self):
+        """Trainer -> rollout engine: every trainable tensor (the adapters only, with LoRA)."""
+        engine_params = dict(self.engine_model.named_parameters())
+        for name, p in self.policy.named_parameters():
+            if p.requires_grad:
+                engine_params[name].copy_(p)
+
+    def batch_for(self, step: int):
+        """The prompts of rollout `step`: a seeded walk over the shuffled data, so resume repeats it."""
+        n = self.cfg.rollout_batch_size
+        order = torch.randperm(len(self.samples), generator=torch.Generator().manual_seed(self.cfg.seed))
+        start = step * n
+        return [self.samples[int(order[(start + i) % len(self.samples)])] for i in range(n)]
+
+    def rollout(self, step: int):
+        from glmkit.model import SamplingParams
+        from glmkit.rl.rewards import score
+
+        cfg = self.cfg
+        prompts = self.batch_for(step)
+        expanded = [s for s in prompts for _ in range(cfg.n_samples_per_prompt)]
+        params = SamplingParams(cfg.rollout_temperature, cfg.rollout_top_p, cfg.rollout_max_response_len,
+                                self.stop_ids)
+        completions = self.engine.generate([s.prompt_ids for s in expanded], params, seed=cfg.seed * 100003 + step,
+                                           record_routing=True)
+        rewards = []
+        for s, c in zip(expanded, completions):
+            text = self.tokenizer.decode(c.tokens, skip_special_tokens=False)
+            rewards.append(score(cfg.rm_type, text, s.label)["score"])
+        return expanded, completions, torch.tensor(rewards, dtype=torch.float32)
+
+    def _pack(self, completions):
+        """Packed sequences, per-token sample ids, response mask (rows whose target is a response token),
+        rollout log-probs on those rows, and the rollout's routing per MoE layer (-1 on last rows)."""
+        from glmkit.model.packed import pack
+
+        seqs = [c.prompt + c.tokens for c in completions]
+        input_ids, packed = pack(seqs, device=self.policy.device)
+        T = packed.num_tokens
+        mask = torch.zeros(T, dtype=torch.bool)
+        rollout_logp = torch.zeros(T)
+        for c, (s, e) in zip(completions, packed.bounds()):
+            rows = slice(s + len(c.prompt) - 1, e - 1)
+            mask[rows] = True
+            rollout_logp[rows] = torch.tensor(c.logprobs)
+        routing = {}
+        for layer in completions[0].routing:
+            k = completions[0].routing[layer].shape[1]
+            rows = [torch.cat([c.routing[layer], torch.full((1, k), -1, dtype=torch.long)]) for c in completions]
+            routing[layer] = torch.cat(rows).to(self.policy.device)
+        return input_ids, packed, mask, rollout_logp, routing
+
+    def step(self, step: int) -> dict:
+        cfg = self.cfg
+        t0 = time.time()
+        samples, completions, rewards = self.rollout(step)
+        t_rollout = time.time() - t0
+        input_ids, packed, mask, rollout_logp, routing = self._pack(completions)
+        n = len(completions)
+        sample_of = packed.seq_index.cpu()
+        replay = routing if cfg.enable_r3 else None
+        with torch.no_grad():  # "old" log-probs: the trainer's recompute before the update
+            old = self.train_path.forward(input_ids=input_ids, packed=packed, routing=replay)
+            old_logp = old.logprobs.float().cpu()
+            ref_logp = (None if self.reference is None else
+                        type(self.train_path)(self.reference, cfg.kda_backend)
+                        .forward(input_ids=input_ids, packed=packed, routing=replay).logprobs.float().cpu())
+        metrics = {"step": step}
+        metrics["train/train_rollout_logprob_abs_diff"] = grpo.sample_mean(
+            (old_logp - rollout_logp).abs(), mask, sample_of, n).item()
+        metrics["train/train_rollout_kl"] = grpo.sample_mean(
+            grpo.kl_estimate(rollout_logp, old_logp, "low_var_kl"), mask, sample_of, n).item()
+        mismatch = [((old.routing[layer].sort(-1).values.cpu() != routing[layer].sort(-1).values.cpu()).any(-1)
+                     & mask).sum() for layer in routing]
+        metrics["train/routing_mismatch_frac"] = (sum(mismatch).item() / max(1, mask.sum().item() * len(routing))
+                                                  if routing else None)
+        advantages = grpo.group_advantages(rewards, cfg.n_samples_per_prompt)
+        adv_tok = advantages[sample_of]
+        t1 = time.time()
+        sums = {"pg_loss": 0.0, "pg_clipfrac": 0.0, "ppo_kl": 0.0, "entropy_loss": 0.0, "kl_loss": 0.0,
+                "grad_norm": 0.0}
+        minibatches = n // cfg.global_batch_size
+        for mb in range(minibatches):
+            ids = list(range(mb * cfg.global_batch_size, (mb + 1) * cfg.global_batch_size))
+            sub_in, sub_packed, sub_mask, _, sub_routing = self._pack([completions[i] for i in ids])
+            sub_rows = torch.cat([torch.arange(*packed.bounds()[i]) for i in ids])
+            out = self.train_path.forward(input_ids=sub_in, packed=sub_packed, return_entropy=True,
+                                          routing=sub_routing if cfg.enable_r3 else None)
+            sub_of = sub_packed.seq_index
+            m = sub_mask.to(out.logprobs.device)
+            loss_tok, clipped, kl_tok = grpo.ppo_clip_loss(out.logprobs.float(), old_logp[sub_rows].to(m.device),
+                                                          adv_tok[sub_rows].to(m.device), cfg.eps_clip, cfg.eps_clip_high)
+            pg_loss = grpo.sample_mean(loss_tok, m, sub_of, len(ids))
+            entropy = grpo.sample_mean(out.entropy, m, sub_of, len(ids))
+            loss = pg_loss - cfg.entropy_coef * entropy
+            if self.reference is not None:
+                kl = grpo.sample_mean(grpo.kl_estimate(out.logprobs, ref_logp[sub_rows].to(m.device), cfg.kl_loss_type),
+                                      m, sub_of, len(ids))
+                loss = loss + cfg.kl_loss_coef * kl
+                sums["kl_loss"] += kl.item()
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, cfg.clip_grad)
+            self.optimizer.step()
+            sums["pg_loss"] += pg_loss.item()
+            sums["pg_clipfrac"] += grpo.sample_mean(clipped, m, sub_of, len(ids)).item()
+            sums["ppo_kl"] += grpo.sample_mean(kl_tok, m, sub_of, len(ids)).item()
+            sums["entropy_loss"] += entropy.item()
+            sums["grad_norm"] += grad_norm.item()
+        self.sync()
+        t_train = time.time() - t1
+        for key, total in sums.items():
+            if key != "kl_loss" or self.reference is not None:
+                metrics[f"train/{key}"] = total / minibatches
+        lengths = torch.tensor([len(c.tokens) for c in completions], dtype=torch.float32)
+        metrics["rollout/raw_reward"] = rewards.mean().item()
+        metrics["rollout/response_lengths"] = lengths.mean().item()
+        metrics["rollout/truncated"] = sum(c.finish_reason == "length" for c in completions) / n
+        tokens = int(packed.num_tokens)
+        metrics["perf/rollout_time"] = t_rollout
+        metrics["perf/train_time"] = t_train
+        metrics["perf/tokens_per_s"] = tokens / max(1e-9, t_rollout + t_train)
+        metrics["perf/step_time"] = time.time() - t0
+        return metrics
+
+    def run(self, on_metrics=None) -> list[dict]:
+        cfg = self.cfg
+        out = Path(cfg.metrics_out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if not cfg.resume and out.exists():
+            out.unlink()  # a fresh run starts a fresh stream
+        history = []
+        steps = range(self.start_step, cfg.num_rollout)
+        bar = tqdm(steps, desc="GRPO", unit="rollout", disable=not cfg.progress)
+        with out.open("a") as stream:
+            for step in bar:
+                metrics = self.step(step)
+                stream.write(json.dumps(metrics) + "\n")
+                stream.flush()  # a crash loses nothing already measured
+                history.append(metrics)
+                bar.set_postfix(reward=f"{metrics['rollout/raw_reward']:.3f}",
+                                diff=f"{metrics['train/train_rollout_logprob_abs_diff']:.1e}")
+                if on_metrics is not None:
+                    on_metrics(metrics)
+                if cfg.save_interval and (step + 1) % cfg.save_interval == 0:
+                    _save_checkpoint(cfg, step, self.policy, self.optimizer, self.lora_names)
+        return history
+
+
+def read_metrics(path) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
