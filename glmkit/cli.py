@@ -260,9 +260,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--rm-type", default="deepscaler", choices=["deepscaler", "math", "dapo"])
         p.add_argument("--on-bad-row", default="skip", choices=["skip", "raise"])
         p.add_argument("--num-rollout", type=int, default=20)
-        p.add_argument("--rollout-batch-size", type=int, default=8)
+        p.add_argument("--rollout-batch-size", type=int, help="prompts per rollout (recipe 8; tiny preset 16)")
         p.add_argument("--n-samples-per-prompt", type=int, default=8)
-        p.add_argument("--global-batch-size", type=int, default=64)
+        p.add_argument("--global-batch-size", type=int, help="samples per optimizer step (recipe 64; tiny 32)")
         p.add_argument("--rollout-max-response-len", type=int)
         p.add_argument("--rollout-temperature", type=float, default=1.0)
         p.add_argument("--rollout-top-p", type=float, default=1.0)
@@ -322,8 +322,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_variants)
 
     from glmkit.notebook import add_report_command
+    from glmkit.rl.rewards import add_reward_command
 
     add_report_command(sub)
+    add_reward_command(sub)
     return parser
 
 

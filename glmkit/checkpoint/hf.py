@@ -517,6 +517,9 @@ def save_checkpoint(path: str | os.PathLike, text_config: Glm5NextTextConfig,
         _name_shards(staged, writer)
         _write_configs(staged, text_config, writer.dominant_dtype())
         _refuse_existing(target, overwrite)  # something may have appeared while we were writing
+        staged.chmod(0o755)  # mkdtemp makes it private; a checkpoint is meant to be shared
+        for file in staged.iterdir():
+            file.chmod(0o644)
         _move_into_place(staged, target)
     except BaseException:
         shutil.rmtree(staged, ignore_errors=True)

@@ -93,25 +93,46 @@ def _chunk_one(q, k, v, g, beta, state, chunk_size):
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
               use_qk_l2norm_in_kernel=False, cu_seqlens=None, chunk_size=64):
     """Chunked KDA. With `cu_seqlens` [N+1], inputs are packed as B=1 and every sequence starts from
-    its own initial state (initial_state [N, H, K, V] or zeros); the final state is [N, H, K, V]."""
+    its own initial state (initial_state [N, H, K, V] or zeros); the final state is [N, H, K, V].
+
+    Sequences are independent like heads, so they are laid side by side as extra heads (each padded
+    to the longest; padded steps have zero key, beta and log-decay, so they leave the state alone)
+    and run in one call. Short batches use a smaller chunk (the longest length rounded up to 16)."""
     dtype = v.dtype
     q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, use_qk_l2norm_in_kernel)
     B, T, H, K = k.shape
+    V = v.shape[-1]
     if cu_seqlens is None:
-        bounds = [(b, 0, T) for b in range(B)]
+        lengths, starts = [T] * B, None
+        qs, ks, vs, gs, bs = q, k, v, g, beta
     else:
         if B != 1:
             raise ValueError(f"packed input (cu_seqlens) needs batch size 1, got {B}")
         cu = cu_seqlens.tolist()
-        bounds = [(0, cu[i], cu[i + 1]) for i in range(len(cu) - 1)]
-    o = torch.zeros_like(v)
-    finals = []
-    for n, (b, start, end) in enumerate(bounds):
-        state = (torch.zeros(H, K, v.shape[-1], dtype=torch.float32, device=v.device)
-                 if initial_state is None else initial_state[n].float())
-        if end > start:
-            sl = slice(start, end)
-            o_seq, state = _chunk_one(q[b, sl], k[b, sl], v[b, sl], g[b, sl], beta[b, sl], state, chunk_size)
-            o[b, sl] = o_seq
-        finals.append(state)
-    return o.to(dtype), (torch.stack(finals) if output_final_state else None)
+        starts, lengths = cu[:-1], [b - a for a, b in zip(cu[:-1], cu[1:])]
+        longest = max(lengths) if lengths else 0
+        # [N, longest, ...] with each sequence left-aligned
+        rows = torch.tensor([s + i for s, n in zip(starts, lengths) for i in range(n)], device=q.device)
+        slots = torch.tensor([j * longest + i for j, n in enumerate(lengths) for i in range(n)], device=q.device)
+
+        def unpack(x):
+            out = x.new_zeros(len(lengths) * longest, *x.shape[2:])
+            out[slots] = x[0, rows]
+            return out.view(len(lengths), longest, *x.shape[2:])
+
+        qs, ks, vs, gs, bs = (unpack(x) for x in (q, k, v, g, beta))
+    N, L = len(lengths), max(lengths) if lengths else 0
+    chunk = min(chunk_size, max(16, -(-L // 16) * 16))
+    state = (torch.zeros(N * H, K, V, dtype=torch.float32, device=v.device) if initial_state is None
+             else initial_state.float().reshape(N * H, K, V))
+    heads = lambda x: x.transpose(0, 1).reshape(L, N * H, *x.shape[3:])  # noqa: E731  [N,L,H,..] -> [L,N*H,..]
+    o, final = _chunk_one(heads(qs), heads(ks), heads(vs), heads(gs), heads(bs), state, chunk) if L else \
+        (v.new_zeros(0, N * H, V), state)
+    o = o.reshape(L, N, H, V).transpose(0, 1)  # [N, L, H, V]
+    if cu_seqlens is None:
+        out = o
+    else:
+        out = torch.zeros_like(v)
+        out[0, rows] = o.reshape(N * L, H, V)[slots]
+    final = final.view(N, H, K, V)
+    return out.to(dtype), (final if output_final_state else None)

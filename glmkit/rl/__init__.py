@@ -1,0 +1,1 @@
+"""RL: data, rewards, GRPO, LoRA, the training loop and its health check."""

@@ -1,0 +1,159 @@
+"""Prompt data in the DAPO-Math-17k jsonl format, and the tiny model's ideal response.
+
+One row per line: `{"prompt": [chat messages] or "text", "label": "<answer>", ...}`. Malformed rows
+are never dropped silently: each becomes a `Problem` naming its line (1-based), reported in one
+warning with the count, or raised at once with `on_error="raise"`. Blank lines are not rows.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import warnings
+from dataclasses import dataclass, field
+
+DEFAULT_DAPO_PATH = "/root/datasets/dapo-math-17k/dapo-math-17k.jsonl"
+ON_ERROR = ("skip", "raise")
+
+# The response the tiny model is trained to give. The chat template's generation prompt already ends
+# in `<think>`, so the response closes an (empty) thinking block, then boxes the answer, then stops:
+#     prompt   <bos><|user|>12+7=<|assistant|><think>
+#     response </think>\boxed{19}<eos>
+# The `deepscaler` reward finds `</think>` and grades the `\boxed{}` after it.
+RESPONSE_TEMPLATE = "</think>\\boxed{{{answer}}}{eos}"
+
+
+@dataclass
+class Sample:
+    prompt_ids: list[int]   # empty when no tokenizer was given
+    prompt_text: str        # what was tokenized (chat template applied when asked)
+    label: str
+    index: int              # 1-based line number in the file
+    metadata: dict = field(default_factory=dict)  # the row's other keys (e.g. "source")
+
+
+@dataclass
+class Problem:
+    line: int
+    reason: str
+
+    def __str__(self) -> str:
+        return f"line {self.line}: {self.reason}"
+
+
+class RowError(ValueError):
+    """A row that cannot become a Sample; the message says why."""
+
+
+def format_response(answer, eos_token: str = "<eos>") -> str:
+    """The ideal response for `answer`, continuing the tiny chat template's generation prompt."""
+    return RESPONSE_TEMPLATE.format(answer=answer, eos=eos_token)
+
+
+def _type_name(value) -> str:
+    return type(value).__name__
+
+
+def _check_messages(prompt: list) -> list[dict]:
+    if not prompt:
+        raise RowError("prompt is an empty list")
+    for i, message in enumerate(prompt):
+        if not isinstance(message, dict):
+            raise RowError(f"prompt[{i}] is a {_type_name(message)}, not a chat message object")
+        for key in ("role", "content"):
+            if not isinstance(message.get(key), str):
+                raise RowError(f"prompt[{i}] needs a string {key!r}")
+    return prompt
+
+
+def _messages(prompt) -> list[dict]:
+    """A row's prompt as chat messages: a plain string becomes one user message."""
+    if isinstance(prompt, str):
+        if not prompt.strip():
+            raise RowError("prompt is an empty string")
+        return [{"role": "user", "content": prompt}]
+    if isinstance(prompt, list):
+        return _check_messages(prompt)
+    raise RowError(f"prompt must be a string or a list of chat messages, not {_type_name(prompt)}")
+
+
+def _label(value) -> str:
+    # Integers are accepted and written as strings (DAPO labels are integer strings); bool is not an int here.
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise RowError(f"label must be a string, not {_type_name(value)}")
+    label = str(value)
+    if not label.strip():
+        raise RowError("label is empty")
+    return label
+
+
+def _prompt_text(messages: list[dict], tokenizer, apply_chat_template: bool) -> str:
+    if apply_chat_template and tokenizer is not None:
+        try:
+            return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        except Exception as err:  # e.g. the template rejects a role
+            raise RowError(f"chat template failed: {err}") from err
+    return "\n".join(m["content"] for m in messages)
+
+
+def _prompt_ids(text: str, tokenizer, apply_chat_template: bool) -> list[int]:
+    if tokenizer is None:
+        return []
+    # A chat template already writes the special prefix (e.g. <bos>); plain text gets the tokenizer's own.
+    return list(tokenizer.encode(text, add_special_tokens=not apply_chat_template))
+
+
+def parse_row(line: str, number: int, input_key: str, label_key: str, tokenizer, apply_chat_template: bool) -> Sample:
+    """One jsonl line as a Sample; raises RowError saying what is wrong with it."""
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise RowError(f"not valid JSON ({err.msg} at column {err.colno})") from err
+    if not isinstance(row, dict):
+        raise RowError(f"a row must be a JSON object, not {_type_name(row)}")
+    for key in (input_key, label_key):
+        if key not in row:
+            raise RowError(f"missing key {key!r} (keys: {', '.join(sorted(row)) or 'none'})")
+    messages = _messages(row[input_key])
+    label = _label(row[label_key])
+    text = _prompt_text(messages, tokenizer, apply_chat_template)
+    metadata = {k: v for k, v in row.items() if k not in (input_key, label_key)}
+    return Sample(_prompt_ids(text, tokenizer, apply_chat_template), text, label, number, metadata)
+
+
+def _report(path, problems: list[Problem]) -> None:
+    shown = ", ".join(str(p.line) for p in problems[:10]) + (", ..." if len(problems) > 10 else "")
+    warnings.warn(f"{path}: skipped {len(problems)} malformed row(s) at line(s) {shown}; first: {problems[0]}",
+                  stacklevel=3)
+
+
+def load_prompts(path=DEFAULT_DAPO_PATH, input_key: str = "prompt", label_key: str = "label", tokenizer=None,
+                 apply_chat_template: bool = True, shuffle_seed: int | None = 0,
+                 on_error: str = "skip") -> tuple[list[Sample], list[Problem]]:
+    """Read a DAPO-format jsonl file into (samples, problems).
+
+    With a tokenizer, each prompt is rendered by its chat template (`add_generation_prompt=True`) and
+    tokenized; without one, `prompt_ids` stay empty and `prompt_text` is the messages' contents.
+    Samples are shuffled by a seeded RNG (the DAPO file is ordered by difficulty); `shuffle_seed=None`
+    keeps file order. on_error="skip" collects malformed rows as problems and warns once;
+    on_error="raise" raises ValueError naming the first bad line."""
+    if on_error not in ON_ERROR:
+        raise ValueError(f"on_error must be one of {', '.join(ON_ERROR)}, got {on_error!r}")
+    if apply_chat_template and tokenizer is not None and not getattr(tokenizer, "chat_template", None):
+        raise ValueError("apply_chat_template is set but the tokenizer has no chat template")
+    samples, problems = [], []
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                samples.append(parse_row(line, number, input_key, label_key, tokenizer, apply_chat_template))
+            except RowError as err:
+                if on_error == "raise":
+                    raise ValueError(f"{path}: line {number}: {err}") from err
+                problems.append(Problem(number, str(err)))
+    if problems:
+        _report(path, problems)
+    if shuffle_seed is not None:
+        random.Random(shuffle_seed).shuffle(samples)
+    return samples, problems

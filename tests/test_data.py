@@ -1,0 +1,136 @@
+"""DAPO-format prompt reading: malformed rows reported by line, both error modes, keys, shuffling."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+
+from glmkit.rl.data import DEFAULT_DAPO_PATH, Problem, format_response, load_prompts
+from glmkit.rl.tokenizer import load_tokenizer
+
+ARITH = Path(__file__).resolve().parents[1] / "glmkit" / "assets" / "arith"
+
+
+def write_rows(path, lines):
+    path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
+    return path
+
+
+def good(i):
+    return {"prompt": [{"role": "user", "content": f"{i}+1="}], "label": str(i + 1)}
+
+
+MIXED = [
+    good(1),                                          # line 1
+    "{not json",                                      # line 2
+    {"label": "3"},                                   # line 3: no prompt
+    {"prompt": "2+2="},                               # line 4: no label
+    {"prompt": 5, "label": "5"},                      # line 5: prompt of the wrong type
+    {"prompt": [{"role": "user"}], "label": "6"},     # line 6: message without content
+    {"prompt": "plain string prompt", "label": 7},    # line 7: fine (string prompt, integer label)
+    "[1, 2]",                                         # line 8: not an object
+    {"prompt": "x", "label": ["8"]},                  # line 9: label of the wrong type
+    "",                                               # line 10: blank, not a row
+    good(11),                                         # line 11
+]
+
+
+def test_malformed_rows_are_reported_by_line(tmp_path):
+    path = write_rows(tmp_path / "d.jsonl", MIXED)
+    with pytest.warns(UserWarning, match=r"skipped 7 malformed row\(s\) at line\(s\) 2, 3, 4, 5, 6, 8, 9") as record:
+        samples, problems = load_prompts(path, shuffle_seed=None)
+    assert len(record) == 1  # warned once, with the count
+    assert [p.line for p in problems] == [2, 3, 4, 5, 6, 8, 9]
+    assert all(isinstance(p, Problem) and p.reason for p in problems)
+    assert "not valid JSON" in problems[0].reason
+    assert "missing key 'prompt'" in problems[1].reason and "missing key 'label'" in problems[2].reason
+    assert [s.index for s in samples] == [1, 7, 11]
+    assert samples[1].label == "7" and samples[1].prompt_text == "plain string prompt"
+    assert len(samples) + len(problems) == 10  # every non-blank line accounted for
+
+
+def test_raise_mode_names_the_line(tmp_path):
+    path = write_rows(tmp_path / "d.jsonl", MIXED)
+    with pytest.raises(ValueError, match=r"line 2: not valid JSON"):
+        load_prompts(path, on_error="raise")
+    with pytest.raises(ValueError, match="on_error"):
+        load_prompts(path, on_error="ignore")
+
+
+def test_clean_file_does_not_warn(tmp_path):
+    path = write_rows(tmp_path / "d.jsonl", [good(i) for i in range(5)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        samples, problems = load_prompts(path, on_error="raise")
+    assert len(samples) == 5 and problems == []
+
+
+def test_custom_keys_and_metadata(tmp_path):
+    path = write_rows(tmp_path / "d.jsonl", [{"question": "1+1=", "answer": "2", "source": "s"}])
+    samples, _ = load_prompts(path, input_key="question", label_key="answer")
+    assert samples[0].label == "2" and samples[0].metadata == {"source": "s"}
+    with pytest.raises(ValueError, match="line 1: missing key 'prompt'"):
+        load_prompts(path, on_error="raise")
+
+
+def test_chat_template_and_tokens(tmp_path):
+    tokenizer = load_tokenizer(None)
+    path = write_rows(tmp_path / "d.jsonl", [good(11), {"prompt": "3-5=", "label": "-2"}])
+    samples, _ = load_prompts(path, tokenizer=tokenizer, shuffle_seed=None)
+    assert samples[0].prompt_text == "<bos><|user|>11+1=<|assistant|><think>"
+    assert samples[1].prompt_text == "<bos><|user|>3-5=<|assistant|><think>"  # a string is one user message
+    assert samples[0].prompt_ids[0] == tokenizer.bos_token_id and samples[0].prompt_ids.count(1) == 1
+    assert tokenizer.decode(samples[0].prompt_ids) == samples[0].prompt_text
+    plain, _ = load_prompts(path, tokenizer=tokenizer, apply_chat_template=False, shuffle_seed=None)
+    assert plain[0].prompt_text == "11+1=" and tokenizer.decode(plain[0].prompt_ids) == "11+1="
+
+
+def test_chat_template_failure_is_a_row_problem(tmp_path):
+    tokenizer = load_tokenizer(None)
+    path = write_rows(tmp_path / "d.jsonl", [good(1), {"prompt": [{"role": "robot", "content": "x"}], "label": "1"}])
+    with pytest.warns(UserWarning, match="line.s. 2"):
+        samples, problems = load_prompts(path, tokenizer=tokenizer)
+    assert len(samples) == 1 and "chat template failed" in problems[0].reason
+
+
+def test_shuffle_is_seeded(tmp_path):
+    path = write_rows(tmp_path / "d.jsonl", [good(i) for i in range(50)])
+    order = lambda seed: [s.index for s in load_prompts(path, shuffle_seed=seed)[0]]  # noqa: E731
+    assert order(0) == order(0)
+    assert order(0) != order(1)
+    assert sorted(order(0)) == order(None) == list(range(1, 51))
+
+
+def test_shipped_arith_set():
+    tokenizer = load_tokenizer(None)
+    train, problems = load_prompts(ARITH / "train.jsonl", tokenizer=tokenizer, on_error="raise")
+    test, _ = load_prompts(ARITH / "test.jsonl", tokenizer=tokenizer, on_error="raise")
+    assert len(train) >= 2000 and len(test) >= 50 and problems == []
+    assert all(s.metadata["source"] == "synthetic" for s in train + test)
+    train_prompts = {s.prompt_text for s in train}
+    assert not train_prompts & {s.prompt_text for s in test}  # held out
+    for s in test[:20]:
+        a, op, b = s.prompt_text.split("<|user|>")[1].split("=")[0].partition("+" if "+" in s.prompt_text else "-")
+        assert int(s.label) == (int(a) + int(b) if op == "+" else int(a) - int(b))
+        assert max(s.prompt_ids) < 1024
+    sizes = sum(f.stat().st_size for f in ARITH.glob("*.jsonl"))
+    assert sizes < 300 * 1024
+
+
+def test_format_response_is_short_and_rewarded():
+    from glmkit.rl.rewards import deepscaler
+
+    tokenizer = load_tokenizer(None)
+    response = format_response("-20")
+    assert response == "</think>\\boxed{-20}<eos>"
+    ids = tokenizer.encode(response, add_special_tokens=False)
+    assert len(ids) == 7 and ids[-1] == tokenizer.eos_token_id
+    assert deepscaler(tokenizer.decode(ids, skip_special_tokens=False), "-20")["score"] == 1.0
+    assert deepscaler(tokenizer.decode(ids, skip_special_tokens=True), "-20")["score"] == 1.0
+
+
+def test_default_path():
+    assert DEFAULT_DAPO_PATH == "/root/datasets/dapo-math-17k/dapo-math-17k.jsonl"

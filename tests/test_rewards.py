@@ -1,0 +1,186 @@
+"""Rule-based rewards: known answers, the recipe's edge cases, and the `reward` command."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+
+import pytest
+
+from glmkit.rl import rewards
+from glmkit.rl.rewards import REWARDS, dapo, deepscaler, is_equivalent, last_boxed, math, score
+
+
+# ----------------------------------------------------------------------------- \boxed extraction
+
+@pytest.mark.parametrize("text, expected", [
+    (r"so \boxed{19}.", "19"),
+    (r"\boxed{\frac{1}{2}}", r"\frac{1}{2}"),
+    (r"\boxed{\sqrt{\frac{a}{b^{2}}}} done", r"\sqrt{\frac{a}{b^{2}}}"),
+    (r"\boxed{\{1,2\}}", r"\{1,2\}"),            # escaped braces are content
+    (r"\boxed{1} then \boxed{2}", "2"),            # the last one
+    (r"\boxed 5$", "5"),                           # the argument-without-braces form
+    (r"\fbox{7}", "7"),
+    (r"\boxed{1} and a cut-off \boxed{2", None),   # the last box never closes
+    (r"\boxedfoo", None),
+    ("no box here", None),
+    (r"\boxed{}", ""),
+])
+def test_last_boxed(text, expected):
+    assert last_boxed(text) == expected
+
+
+# ----------------------------------------------------------------------------- equivalence
+
+@pytest.mark.parametrize("pred, label", [
+    ("1/2", "0.5"), ("0.5", r"\frac{1}{2}"), (r"\frac{1}{2}", "1/2"), (r"\dfrac12", "0.5"),
+    ("1,000", "1000"), ("1000", "1,000"), (r"1{,}000", "1000"), (r"1\,000", "1000"),
+    ("19", "19"), ("3.0", "3"), ("x=5", "5"), ("10^{3}", "1000"), (r"\frac{\sqrt{2}}{2}", r"\sqrt{2}/2"),
+    ("$7$", "7"), ("7", r"\boxed{7}"), ("-3", "-3"),
+])
+def test_equivalent(pred, label):
+    assert is_equivalent(pred, label)
+
+
+@pytest.mark.parametrize("pred, label", [
+    ("-3", "3"), ("1/3", "0.3"), ("20", "19"), ("1,2", "12"), ("", "0"), (None, "0"), ("x", "5"),
+])
+def test_not_equivalent(pred, label):
+    assert not is_equivalent(pred, label)
+
+
+# ----------------------------------------------------------------------------- deepscaler
+
+def test_deepscaler_right_answer_after_think():
+    assert deepscaler("<think>7+12 is 19</think>The answer is \\boxed{19}.", "19") == {"score": 1.0, "pred": "19"}
+
+
+def test_deepscaler_tiny_model_format():
+    from glmkit.rl.data import format_response
+
+    assert deepscaler(format_response("19"), "19")["score"] == 1.0
+    assert deepscaler(format_response("-4"), "-4")["score"] == 1.0
+    assert deepscaler(format_response("18"), "19")["score"] == 0.0
+
+
+def test_deepscaler_needs_think_end():
+    assert deepscaler("The answer is \\boxed{19}", "19") == {"score": 0.0, "pred": None}
+
+
+def test_deepscaler_ignores_box_inside_thinking():
+    out = deepscaler("<think>maybe \\boxed{19}</think>no box after", "19")
+    assert out == {"score": 0.0, "pred": None}
+    out = deepscaler("<think>maybe \\boxed{19}</think>\\boxed{20}", "19")
+    assert out == {"score": 0.0, "pred": "20"}
+
+
+def test_deepscaler_fractions_and_separators():
+    assert deepscaler("</think>\\boxed{\\frac{1}{2}}", "0.5")["score"] == 1.0
+    assert deepscaler("</think>\\boxed{0.5}", "1/2")["score"] == 1.0
+    assert deepscaler("</think>\\boxed{1,000}", "1000")["score"] == 1.0
+    assert deepscaler("</think>\\boxed{1/3}", "0.3")["score"] == 0.0
+
+
+def test_deepscaler_truncated_box():
+    assert deepscaler("</think>\\boxed{19", "19") == {"score": 0.0, "pred": None}
+
+
+# ----------------------------------------------------------------------------- math
+
+def test_math_last_box_anywhere():
+    assert math("\\boxed{19}", "19") == {"score": 1.0, "pred": "19"}
+    assert math("<think>\\boxed{19}</think>", "19")["score"] == 1.0  # no </think> rule here
+    assert math("\\boxed{19} no wait \\boxed{20}", "19") == {"score": 0.0, "pred": "20"}
+    assert math("19", "19") == {"score": 0.0, "pred": None}
+    assert math("\\boxed{\\frac{1}{2}}", "1/2")["score"] == 1.0
+
+
+# ----------------------------------------------------------------------------- dapo
+
+def test_dapo_answer_on_last_line():
+    assert dapo("Let me compute.\n7+12=19\nAnswer: 19", "19") == {"score": 1.0, "acc": True, "pred": "19"}
+
+
+def test_dapo_wrong_and_missing():
+    assert dapo("Answer: 18", "19") == {"score": -1.0, "acc": False, "pred": "18"}
+    assert dapo("the answer is 19", "19") == {"score": -1.0, "acc": False, "pred": ""}
+    assert dapo("Answer:", "19")["score"] == -1.0
+
+
+def test_dapo_last_answer_wins():
+    assert dapo("Answer: 18\nsorry, Answer: 19", "19")["acc"]
+    assert not dapo("Answer: 19\nsorry, Answer: 18", "19")["acc"]
+
+
+@pytest.mark.parametrize("written", [
+    "19", "19.", " 19 ", "$19$", "\\boxed{19}", "$\\boxed{19}$", "x = 19", "19 apples", "\\text{19}",
+    "+19", "19^\\circ",
+])
+def test_dapo_normalisation(written):
+    assert dapo(f"work...\nAnswer: {written}", "19")["acc"], written
+
+
+def test_dapo_thousands_separator():
+    assert dapo("Answer: 1,000", "1000")["acc"]
+    assert dapo("Answer: 1000", "1,000")["acc"]
+    assert not dapo("Answer: 1,2", "12")["acc"]  # a list, not a grouped number
+
+
+def test_dapo_only_reads_last_300_characters():
+    early = "Answer: 19\n" + "x" * 300
+    assert dapo(early, "19") == {"score": -1.0, "acc": False, "pred": ""}
+    tail = "Answer: 19\n" + "y" * (300 - len("Answer: 19\n"))  # exactly 300 characters
+    assert dapo("x" * 500 + "\n" + tail, "19")["acc"]
+    assert dapo("x" * 500 + "\n" + tail + "z", "19")["pred"] == ""  # its "A" is now 301 from the end
+
+
+# ----------------------------------------------------------------------------- registry and CLI
+
+def test_registry_and_score():
+    assert set(REWARDS) == {"deepscaler", "math", "dapo"}
+    assert score("math", "\\boxed{2}", "2")["score"] == 1.0
+    with pytest.raises(ValueError, match="deepscaler.*math"):
+        score("f1", "x", "y")
+
+
+def run_main(monkeypatch, capsys, argv, stdin):
+    monkeypatch.setattr("sys.stdin", io.StringIO(stdin))
+    assert rewards.main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1
+    return json.loads(lines[0])
+
+
+def test_main_prints_one_json_line(monkeypatch, capsys):
+    out = run_main(monkeypatch, capsys, ["--rm-type", "deepscaler", "--label", "19"], "<think></think>\\boxed{19}\n")
+    assert out == {"score": 1.0, "pred": "19"}
+    out = run_main(monkeypatch, capsys, ["--rm-type", "dapo", "--label", "7"], "Answer: 8\n")
+    assert out == {"score": -1.0, "acc": False, "pred": "8"}
+    out = run_main(monkeypatch, capsys, ["--rm-type", "math", "--label", "7"], "nothing")
+    assert out == {"score": 0.0, "pred": None}
+
+
+def test_main_rejects_unknown_rm_type(monkeypatch, capsys):
+    monkeypatch.setattr("sys.stdin", io.StringIO("x"))
+    with pytest.raises(SystemExit):
+        rewards.main(["--rm-type", "nope", "--label", "1"])
+    assert "invalid choice" in capsys.readouterr().err
+
+
+def test_add_reward_command(monkeypatch, capsys):
+    parser = argparse.ArgumentParser(prog="glmkit")
+    add = parser.add_subparsers(dest="command", required=True)
+    rewards.add_reward_command(add)
+    args = parser.parse_args(["reward", "--rm-type", "math", "--label", "3"])
+    monkeypatch.setattr("sys.stdin", io.StringIO("\\boxed{3}"))
+    assert args.func(args) == 0
+    assert json.loads(capsys.readouterr().out) == {"score": 1.0, "pred": "3"}
+
+
+def test_equivalence_off_the_main_thread():
+    """math-verify's signal-based timeout raises outside the main thread; rewards must still work there."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(1) as pool:
+        assert pool.submit(deepscaler, "</think>\\boxed{0.5}", "1/2").result()["score"] == 1.0
