@@ -122,3 +122,13 @@ def test_bad_arguments_fail_clearly(tmp_path):
                           "--num-rollout", "1", "--metrics-out", tmp_path / "m.jsonl"],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 2 and "line 2" in out.stderr
+
+
+def test_kl_and_entropy_terms(tmp_path):
+    trainer = GRPOTrainer(tiny(tmp_path, num_rollout=1, rollout_batch_size=4, global_batch_size=32,
+                               kl_loss_coef=0.1, kl_loss_type="k3", entropy_coef=0.01))
+    metrics = trainer.step(0)
+    # the first update starts from the reference policy itself: KL to it is zero up to rounding
+    assert abs(metrics["train/kl_loss"]) < 1e-6 and metrics["train/entropy_loss"] > 0
+    second = trainer.step(1)
+    assert second["train/kl_loss"] > 0
