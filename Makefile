@@ -9,7 +9,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.glmkit-installed
 
-.PHONY: setup report test bench clean
+.PHONY: setup report report-grpo test bench clean
 
 setup: $(STAMP)
 
@@ -21,6 +21,9 @@ $(STAMP): pyproject.toml constraints/cpu.txt
 
 report: setup
 	$(VENV)/bin/glmkit report notebooks/01_layer_parity.ipynb --out reports/01_layer_parity -p variant tiny
+
+report-grpo: setup
+	$(VENV)/bin/glmkit report notebooks/02_smoke_grpo.ipynb --out reports/02_smoke_grpo -p model_name tiny
 
 test: setup
 	$(PY) -m pytest -q

@@ -6,9 +6,9 @@
 
 The kernel runs with the repository root as its working directory (so `glmkit` and `widgets` import
 and relative paths in parameters resolve from there) and gets `out_dir` as a parameter. The verdict
-is read from `{out_dir}/parity.json` when this run wrote it, "unknown" otherwise. Files are written
-under temporary names and renamed when complete; a notebook that fails leaves
-`{name}.failed.ipynb` (with the error in it) and no new HTML.
+is read from `{out_dir}/verdict.json` or `{out_dir}/parity.json` (the first of the two this run wrote),
+"unknown" otherwise. Files are written under temporary names and renamed when complete; a notebook
+that fails leaves `{name}.failed.ipynb` (with the error in it) and no new HTML.
 
 `add_report_command(subparsers)` adds `glmkit report NOTEBOOK [--out DIR] [-p NAME VALUE]...`.
 """
@@ -27,7 +27,8 @@ from pathlib import Path
 from glmkit.report import versions, write_atomic
 
 KERNEL = "python3"   # ipykernel's spec; jupyter_client runs it with this interpreter
-VERDICT_FILE = "parity.json"
+VERDICT_FILES = ("verdict.json", "parity.json")  # looked for in this order; any notebook may write either
+VERDICT_FILE = "parity.json"   # notebook 01's file (kept for callers of the old name)
 VERDICT_COLORS = {"pass": "#1b7f3b", "fail": "#b3261e"}
 
 
@@ -48,14 +49,17 @@ def notebook_defaults(notebook: Path) -> dict[str, str]:
 
 
 def read_verdict(out_dir: Path, since: float) -> str:
-    """The verdict in out_dir/parity.json, if this run (started at `since`) wrote it."""
-    path = Path(out_dir) / VERDICT_FILE
-    try:
-        if path.stat().st_mtime < since:
-            return "unknown"   # left over from an earlier run
-        return str(json.loads(path.read_text()).get("verdict", "unknown"))
-    except (OSError, json.JSONDecodeError, AttributeError):
-        return "unknown"
+    """The verdict in out_dir/verdict.json or out_dir/parity.json (the first that this run, started at
+    `since`, wrote), "unknown" when neither was."""
+    for name in VERDICT_FILES:
+        path = Path(out_dir) / name
+        try:
+            if path.stat().st_mtime < since:
+                continue   # left over from an earlier run
+            return str(json.loads(path.read_text()).get("verdict", "unknown"))
+        except (OSError, json.JSONDecodeError, AttributeError):
+            continue
+    return "unknown"
 
 
 def header_html(name: str, verdict: str, parameters: dict, defaults: dict, started: float, seconds: float) -> str:

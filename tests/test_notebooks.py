@@ -115,3 +115,33 @@ def test_parameter_values_parse_as_json_else_text():
     assert parse_value('{"rel_rms": 1e-4}') == {"rel_rms": 1e-4} and parse_value("true") is True
     assert parse_value("tiny") == "tiny" and parse_value("reference,train") == "reference,train"
     assert parse_value("/tmp/ck") == "/tmp/ck"
+
+
+def test_notebook_may_write_its_verdict_to_verdict_json(tmp_path, capsys):
+    body = ("import json, os\n"
+            "open(os.path.join(out_dir, 'verdict.json'), 'w').write(json.dumps({'verdict': message}))")
+    notebook = small_notebook(tmp_path / "judge.ipynb", body)
+    out = tmp_path / "report"
+    assert main(["report", str(notebook), "--out", str(out), "-p", "message", "fail"]) == 1
+    assert "verdict: fail" in capsys.readouterr().out
+    assert "verdict: FAIL" in (out / "judge.html").read_text()
+    assert main(["report", str(notebook), "--out", str(out), "-p", "message", "pass"]) == 0
+    assert "verdict: pass" in capsys.readouterr().out
+
+
+def test_read_verdict_takes_the_files_this_run_wrote(tmp_path):
+    import os
+
+    from glmkit.notebook import read_verdict
+
+    assert read_verdict(tmp_path, 0) == "unknown"
+    (tmp_path / "parity.json").write_text(json.dumps({"verdict": "pass"}))
+    assert read_verdict(tmp_path, 0) == "pass"                      # parity.json alone, as before
+    (tmp_path / "verdict.json").write_text(json.dumps({"verdict": "fail"}))
+    assert read_verdict(tmp_path, 0) == "fail"                      # verdict.json first
+    os.utime(tmp_path / "verdict.json", (1000, 1000))               # left over from an earlier run
+    assert read_verdict(tmp_path, 2000) == "pass"
+    os.utime(tmp_path / "parity.json", (1000, 1000))
+    assert read_verdict(tmp_path, 2000) == "unknown"
+    (tmp_path / "verdict.json").write_text("{half")                 # unreadable: falls through
+    assert read_verdict(tmp_path, 2000) == "unknown"

@@ -2,6 +2,7 @@
 
 from widgets.parity import (KdaErrorCurve, LogprobHistogram, SiteHeatmap, TopkOverlap, VerdictBanner,
                             figure_png, show)
+from widgets.training import HealthTable, LiveMetrics
 
-__all__ = ["SiteHeatmap", "LogprobHistogram", "KdaErrorCurve", "TopkOverlap", "VerdictBanner", "show",
-           "figure_png"]
+__all__ = ["SiteHeatmap", "LogprobHistogram", "KdaErrorCurve", "TopkOverlap", "VerdictBanner", "LiveMetrics",
+           "HealthTable", "show", "figure_png"]

@@ -1,0 +1,62 @@
+"""Notebook 02 (smoke GRPO) headless on the tiny preset's shipped start, tokenizer and prompts: a
+3-rollout run into a self-contained HTML report, its metrics JSONL and verdict.json."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+
+from glmkit.notebook import read_verdict, run_notebook
+from glmkit.rl.health import HEALTHY_FULL
+from widgets.training import DEFAULT_METRICS
+
+NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "02_smoke_grpo.ipynb"
+INLINE_PNG = re.compile(r'<img[^>]+src="data:image/png;base64,')
+ROLLOUTS = 3
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("nb02") / "report"
+    return out, run_notebook(NOTEBOOK, out, {"num_rollout": ROLLOUTS})
+
+
+def test_smoke_grpo_report(smoke_run):
+    out, page = smoke_run
+    assert page == out.resolve() / "02_smoke_grpo.html"
+    text = page.read_text()
+    assert text.index('id="glmkit-report-header"') < text.index("<main")   # header at the very top
+    verdict = json.loads((out / "verdict.json").read_text())
+    assert verdict["verdict"] in ("pass", "fail")
+    assert f"verdict: {verdict['verdict'].upper()}" in text   # the runner read verdict.json
+    assert read_verdict(out, 0) == verdict["verdict"]
+    assert re.search(r"<td>num_rollout</td><td><code>3</code></td><td>set</td>", text)
+    assert re.search(r"<td>model_name</td><td><code>&quot;tiny&quot;</code></td><td>default</td>", text)
+    assert len(INLINE_PNG.findall(text)) >= 2   # the final metrics figure and the health table
+    assert (out / "02_smoke_grpo.ipynb").is_file()
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".") or "failed" in p.name) == []
+
+
+def test_smoke_grpo_metrics_and_verdict_json(smoke_run):
+    out, _ = smoke_run
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert len(lines) == ROLLOUTS
+    assert [m["step"] for m in lines] == list(range(ROLLOUTS))
+    for m in lines:
+        assert set(DEFAULT_METRICS) | set(HEALTHY_FULL) <= set(m), set(DEFAULT_METRICS) - set(m)
+    verdict = json.loads((out / "verdict.json").read_text())
+    rewards = [m["rollout/raw_reward"] for m in lines]
+    assert verdict["raw_reward_start"] == pytest.approx(sum(rewards) / ROLLOUTS)
+    assert verdict["raw_reward_end"] == pytest.approx(sum(rewards) / ROLLOUTS)   # 3 rollouts: the same window
+    assert verdict["verdict"] == "fail"   # so the reward cannot have risen: a plumbing check, by design
+    assert all(math.isfinite(m["train/grad_norm"]) for m in lines) == verdict["grad_norms_finite"]
+    assert [r["metric"] for r in verdict["health"]] == list(HEALTHY_FULL)
+    assert {r["verdict"] for r in verdict["health"]} <= {"within range", "outside", "not applicable"}
+    params = verdict["parameters"]
+    assert params["num_rollout"] == ROLLOUTS and params["model_name"] == "tiny" and params["checkpoint"] is None
+    assert params["out_dir"] == str(out.resolve())
+    assert verdict["resolved_config"]["metrics_out"] == f"{out.resolve()}/metrics.jsonl"

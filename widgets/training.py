@@ -1,0 +1,326 @@
+"""ipywidgets views over a GRPO run (`glmkit.rl.loop.GRPOTrainer`) and its health check.
+
+- `LiveMetrics`: small multiples, one axis per metric against the rollout step, with the recipe's
+  healthy range shaded where its table has one. `view.update(metrics)` adds a point and redraws the
+  widget in place, so `trainer.run(on_metrics=view.update)` animates it in a live notebook;
+  `LiveMetrics.from_jsonl(path)` replays a metrics file.
+- `HealthTable`: the rows of `glmkit.rl.health.verdicts`, coloured per verdict.
+
+As in `widgets.parity`, each view has `.widget` (for a live notebook) and `.figure()` (the static
+matplotlib rendering that `show(view)` puts in front of the widget, so HTML reports keep it).
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+import math
+import textwrap
+
+import ipywidgets as W
+import numpy as np
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch
+from matplotlib.ticker import MaxNLocator
+
+from glmkit.rl.health import HEALTHY_FULL, NOT_APPLICABLE
+from widgets.parity import _message_figure
+
+# The recipe's metrics, in the order the small multiples show them.
+DEFAULT_METRICS = (
+    "rollout/raw_reward",
+    "train/train_rollout_logprob_abs_diff",
+    "train/ppo_kl",
+    "train/grad_norm",
+    "train/pg_loss",
+    "train/pg_clipfrac",
+    "train/entropy_loss",
+    "rollout/response_lengths",
+    "rollout/truncated",
+    "train/train_rollout_kl",
+)
+# Non-negative by construction and spread over decades: a log axis when every point is > 0.
+LOG_METRICS = {"train/train_rollout_logprob_abs_diff", "train/train_rollout_kl"}
+HEALTHY_LABEL = "recipe's healthy range (full model)"
+HEALTHY_GID, SERIES_GID = "healthy-range", "metric-series"
+HEALTHY_COLOR, NOT_APPLICABLE_ALPHA, APPLICABLE_ALPHA = "#2e9d4f", 0.08, 0.18
+LINE_COLOR, BAD_COLOR = "#1f5fa8", "#b3261e"
+LIVE_DPI = 90   # the live widget's PNG, redrawn after every rollout
+
+VERDICT_COLORS = {"within range": "#1b7f3b", "outside": "#b3261e", "not applicable": "#8a8a8a"}
+VERDICT_BACKGROUNDS = {"within range": "#d8efdf", "outside": "#f6d6d3", "not applicable": "#ececec"}
+
+
+def healthy_band(spec: dict) -> tuple[float, float] | None:
+    """The (low, high) band to shade for one entry of the recipe's table: its range; the values its
+    reward rose through; within 10x of an `about` value (what `glmkit.rl.health` accepts)."""
+    if "range" in spec:
+        return tuple(spec["range"])
+    if "rise" in spec:
+        return tuple(spec["rise"])
+    if "about" in spec:
+        return spec["about"] / 10, spec["about"] * 10
+    return None
+
+
+def _value(metrics: dict, name: str) -> float:
+    value = metrics.get(name)
+    if value is None:
+        return math.nan   # not measured at this step (missing, or None in the JSONL)
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def _measured_non_finite(metrics: dict, name: str) -> bool:
+    """NaN or Inf reported for this metric (a diverging run), as opposed to not measured (None / absent)."""
+    return metrics.get(name) is not None and not math.isfinite(_value(metrics, name))
+
+
+def read_jsonl(path) -> list[dict]:
+    """The metric dicts of a JSONL file; a half-written last line (a run still writing) is dropped."""
+    rows = []
+    with open(path) as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return rows
+
+
+# ---------------------------------------------------------------- live metrics
+
+class LiveMetrics:
+    """Small multiples of a GRPO run's metrics against the rollout step.
+
+    metric_names: the metrics to plot (default: the recipe's, `DEFAULT_METRICS`).
+    healthy: {metric: spec} as `glmkit.rl.health.HEALTHY_FULL`; its band is shaded on that metric's
+        axis and labelled "recipe's healthy range (full model)". None or {} shades nothing.
+    variant: the model variant; where `NOT_APPLICABLE[variant]` says the full model's number does not
+        carry over, the band is drawn fainter and the axis title says "n/a on {variant}".
+    """
+
+    def __init__(self, metric_names=None, healthy=HEALTHY_FULL, variant: str = "tiny", columns: int = 5):
+        self.metric_names = list(DEFAULT_METRICS if metric_names is None else metric_names)
+        self.healthy = dict(healthy or {})
+        self.variant = variant
+        self.columns = max(1, min(columns, len(self.metric_names) or 1))
+        self.history: list[dict] = []
+        self.status = W.HTML()
+        self.output = W.Output()
+        self.widget = W.VBox([self.status, self.output])
+        self.redraw()
+
+    @classmethod
+    def from_jsonl(cls, path, **kwargs) -> "LiveMetrics":
+        """A view holding every rollout of a metrics file (`metrics_out` of a run)."""
+        view = cls(**kwargs)
+        view.extend(read_jsonl(path))
+        return view
+
+    # -- data
+
+    def update(self, metrics: dict):
+        """Append one rollout's metrics (a `GRPOTrainer.run(on_metrics=...)` callback) and redraw."""
+        self.history.append(dict(metrics))
+        self.redraw()
+
+    def extend(self, rows):
+        """Append many rollouts and redraw once."""
+        self.history.extend(dict(r) for r in rows)
+        self.redraw()
+
+    def steps(self) -> np.ndarray:
+        """The x of each point: the metrics' own "step" (a resumed run starts past 0), else its index."""
+        return np.array([float(i if h.get("step") is None else h["step"]) for i, h in enumerate(self.history)])
+
+    def series(self, name: str) -> np.ndarray:
+        return np.array([_value(h, name) for h in self.history], dtype=float)
+
+    def not_applicable(self, name: str) -> str | None:
+        return NOT_APPLICABLE.get(self.variant, {}).get(name) or None
+
+    # -- rendering
+
+    @property
+    def text(self) -> str:
+        if not self.history:
+            return "no rollouts yet"
+        last = self.history[-1]
+        parts = [f"step {last.get('step', len(self.history) - 1)} ({len(self.history)} rollouts)"]
+        for name in self.metric_names[:4]:
+            value = _value(last, name)
+            parts.append(f"{name} = {value:.4g}" if math.isfinite(value) else f"{name} = {last.get(name)}")
+        return ", ".join(parts)
+
+    def redraw(self):
+        self.status.value = f"<div style='font-family:monospace;font-size:0.85em'>{html.escape(self.text)}</div>"
+        # set as the Output's outputs (no `with output:`), so it also works outside a kernel; no tight
+        # bounding box (the layout is fixed), which halves the time of a redraw
+        buf = io.BytesIO()
+        self.figure().savefig(buf, format="png", dpi=LIVE_DPI)
+        self.output.outputs = ({"output_type": "display_data", "metadata": {},
+                                "data": {"image/png": base64.b64encode(buf.getvalue()).decode(),
+                                         "text/plain": f"GRPO metrics: {self.text}"}},)
+
+    def figure(self) -> Figure:
+        if not self.metric_names:
+            return _message_figure("no metrics chosen")
+        rows = math.ceil(len(self.metric_names) / self.columns)
+        height = 2.7 * rows + 1.0
+        fig = Figure(figsize=(3.4 * self.columns, height))
+        # a fixed layout: constrained layout would triple the time of every live redraw
+        fig.subplots_adjust(left=0.05, right=0.99, top=1 - 0.95 / height, bottom=0.75 / height,
+                            wspace=0.32, hspace=0.5)
+        steps = self.steps()
+        drawn = set()   # "applicable" / "not applicable": which kinds of band were shaded
+        for i, name in enumerate(self.metric_names):
+            ax = fig.add_subplot(rows, self.columns, i + 1)
+            values = self.series(name)
+            drawn.add(self._draw_band(ax, name))
+            finite = np.isfinite(values)
+            if finite.any():
+                ax.plot(steps, values, color=LINE_COLOR, linewidth=1.2, marker="o", markersize=3, gid=SERIES_GID)
+                if name in LOG_METRICS and (values[finite] > 0).all():
+                    ax.set_yscale("log")
+            bad = np.array([_measured_non_finite(h, name) for h in self.history], dtype=bool)
+            title = name
+            if bad.any():  # NaN / Inf measured (not merely missing): red marks along the bottom
+                ax.plot(steps[bad], np.zeros(int(bad.sum())), linestyle="none", marker="x", color=BAD_COLOR,
+                        transform=ax.get_xaxis_transform(), clip_on=False)
+                title += f"\n{int(bad.sum())} non-finite"
+            if self.not_applicable(name) and name in self.healthy:
+                title += f"\n(range n/a on {self.variant})"
+            if not len(self.history):
+                ax.text(0.5, 0.5, "no rollouts yet", ha="center", va="center", transform=ax.transAxes,
+                        color="grey", fontsize=8)
+            elif not finite.any() and not bad.any():
+                ax.text(0.5, 0.5, "not measured", ha="center", va="center", transform=ax.transAxes,
+                        color="grey", fontsize=8)
+            ax.set_title(title, fontsize=8)
+            ax.tick_params(labelsize=7)
+            ax.yaxis.get_offset_text().set_fontsize(7)
+            ax.set_xlabel("rollout", fontsize=7)
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            if len(steps):
+                lo, hi = float(steps.min()), float(steps.max())
+                ax.set_xlim(lo - 0.5, hi + 0.5)
+        handles = [Patch(color=HEALTHY_COLOR, alpha=APPLICABLE_ALPHA, linewidth=0, label=HEALTHY_LABEL)]
+        if "not applicable" in drawn:
+            handles.append(Patch(color=HEALTHY_COLOR, alpha=NOT_APPLICABLE_ALPHA, linewidth=0,
+                                 label=f"{HEALTHY_LABEL}, not applicable on {self.variant}"))
+        if drawn - {None}:
+            fig.legend(handles=handles, loc="lower center", ncols=len(handles), fontsize=8, frameon=False)
+        fig.suptitle(f"GRPO run ({self.variant}): {len(self.history)} rollouts", fontsize=10)
+        return fig
+
+    def _draw_band(self, ax, name) -> str | None:
+        """Shade the recipe's band on this metric's axis; which kind was drawn (None: the table has none)."""
+        spec = self.healthy.get(name)
+        band = healthy_band(spec) if spec else None
+        if band is None:
+            return None
+        faint = self.not_applicable(name) is not None
+        patch = ax.axhspan(*band, color=HEALTHY_COLOR, alpha=NOT_APPLICABLE_ALPHA if faint else APPLICABLE_ALPHA,
+                           linewidth=0, label=HEALTHY_LABEL, zorder=0)
+        patch.set_gid(HEALTHY_GID)
+        if "rise" in spec and self.history:  # the rollout by which the recipe's reward reached its target
+            ax.axvline(spec.get("within", 0), color=HEALTHY_COLOR, linestyle=":", linewidth=0.8,
+                       alpha=0.6 if faint else 1.0)
+        return "not applicable" if faint else "applicable"
+
+
+# ---------------------------------------------------------------- health table
+
+class HealthTable:
+    """The recipe's healthy-run table against a run: rows of `glmkit.rl.health.verdicts(history, variant)`
+    ({"metric", "expected", "observed", "verdict", "why"}), each row coloured by its verdict."""
+
+    COLUMNS = ("metric", "expected", "observed", "verdict", "why")
+
+    def __init__(self, rows: list[dict]):
+        self.rows = [dict(r) for r in rows]
+        self.widget = W.HTML(self.html)
+
+    @staticmethod
+    def color(verdict: str) -> str:
+        return VERDICT_COLORS.get(verdict, VERDICT_COLORS["not applicable"])
+
+    @staticmethod
+    def background(verdict: str) -> str:
+        return VERDICT_BACKGROUNDS.get(verdict, VERDICT_BACKGROUNDS["not applicable"])
+
+    @staticmethod
+    def cell(row: dict, column: str) -> str:
+        value = row.get(column)
+        return "—" if value is None else str(value)
+
+    @property
+    def counts(self) -> dict[str, int]:
+        found = {}
+        for r in self.rows:
+            found[r.get("verdict")] = found.get(r.get("verdict"), 0) + 1
+        return found
+
+    @property
+    def text(self) -> str:
+        summary = ", ".join(f"{n} {v}" for v, n in self.counts.items()) or "no rows"
+        return f"recipe health table: {summary}"
+
+    @property
+    def html(self) -> str:
+        style = "border:1px solid #ccc;padding:3px 8px;text-align:left;vertical-align:top"
+        head = "".join(f"<th style='{style};background:#f4f4f4'>{c}</th>" for c in self.COLUMNS)
+        body = []
+        for r in self.rows:
+            verdict = str(r.get("verdict"))
+            cells = []
+            for c in self.COLUMNS:
+                text = html.escape(self.cell(r, c))
+                if c == "verdict":
+                    text = f"<b style='color:{self.color(verdict)}'>{text}</b>"
+                elif c == "metric":
+                    text = f"<code>{text}</code>"
+                cells.append(f"<td style='{style}'>{text}</td>")
+            body.append(f"<tr class='verdict-{verdict.replace(' ', '-')}' "
+                        f"style='background:{self.background(verdict)}'>{''.join(cells)}</tr>")
+        return (f"<div style='font-size:0.85em'><div style='margin-bottom:4px'>{html.escape(self.text)}</div>"
+                f"<table style='border-collapse:collapse'><tr>{head}</tr>{''.join(body)}</table></div>")
+
+    def _repr_html_(self) -> str:
+        return self.html
+
+    def figure(self) -> Figure:
+        if not self.rows:
+            return _message_figure("no health rows")
+        widths = {"metric": 40, "why": 48}
+        wrapped = [[_wrap(self.cell(r, c), widths.get(c, 32)) for c in self.COLUMNS] for r in self.rows]
+        lines = [max(cell.count("\n") + 1 for cell in row) for row in wrapped]
+        fig = Figure(figsize=(15, 0.6 + 0.28 * (sum(lines) + 1)))
+        ax = fig.add_subplot()
+        ax.axis("off")
+        colors = [[self.background(str(r.get("verdict")))] * len(self.COLUMNS) for r in self.rows]
+        table = ax.table(cellText=wrapped, colLabels=list(self.COLUMNS), cellColours=colors,
+                         colColours=["#f4f4f4"] * len(self.COLUMNS), cellLoc="left", loc="upper center",
+                         colWidths=[0.25, 0.17, 0.17, 0.1, 0.31])
+        table.auto_set_font_size(False)
+        table.set_fontsize(8)
+        total = sum(lines) + 1
+        for (row, col), cell in table.get_celld().items():
+            height = 1 if row == 0 else lines[row - 1]
+            cell.set_height(height / total * 0.95)
+            if row > 0 and col == self.COLUMNS.index("verdict"):
+                cell.get_text().set_color(self.color(str(self.rows[row - 1].get("verdict"))))
+                cell.get_text().set_fontweight("bold")
+        ax.set_title(self.text, fontsize=10, loc="left")
+        return fig
+
+
+def _wrap(text: str, width: int) -> str:
+    return "\n".join(textwrap.wrap(text, width)) or text
