@@ -95,10 +95,11 @@ def cmd_parity(args) -> int:
 
 
 def cmd_capture(args) -> int:
+    import torch
+
+    from glmkit.checkpoint import open_checkpoint
     from glmkit.parity.builtin import capture_path, make_inputs
     from glmkit.parity.dump import save_capture
-    from glmkit.checkpoint import open_checkpoint
-    import torch
 
     if args.path not in ("reference", "train", "rollout"):
         raise ValueError(f"unknown path {args.path!r}; allowed: reference, train, rollout")
@@ -139,20 +140,18 @@ def cmd_train(args) -> int:
 
 
 def cmd_lora_prepare(args) -> int:
-    from glmkit.model import Glm5Model
-    from glmkit.rl import lora
-    from glmkit.rl.loop import TrainConfig
     import torch
 
-    cfg = _train_config(args).resolved() if args.checkpoint or args.model_name == "tiny" else None
-    if cfg is not None:
-        from glmkit.checkpoint import open_checkpoint
+    from glmkit.model import Glm5Model
+    from glmkit.rl import lora
+    from glmkit.rl.loop import PRESETS
 
-        config = open_checkpoint(cfg.checkpoint).config
-    else:
-        from glmkit.config import variant_config
+    from glmkit.checkpoint import open_checkpoint
+    from glmkit.config import variant_config
 
-        config = variant_config(args.model_name)
+    # the checkpoint's own config when there is one (tiny: the shipped start), else the variant's
+    checkpoint = args.checkpoint or PRESETS[args.model_name].get("checkpoint")
+    config = open_checkpoint(checkpoint).config if checkpoint else variant_config(args.model_name)
     with torch.device("meta"):
         model = Glm5Model(config)
     names = lora.select(model, args.target_modules, args.exclude_modules)
@@ -216,17 +215,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="reports/check", help="report directory")
     p.set_defaults(func=cmd_check)
 
+    def run_arguments(p):
+        """The seeded input and where the paths run: shared by parity and capture."""
+        p.add_argument("--seq-len", type=int, default=64)
+        p.add_argument("--batch", type=int, default=2)
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--dtype", default="float32", choices=list(DTYPES))
+        p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+        p.add_argument("--kda-backend", default="torch", choices=list(BACKENDS))
+
     p = sub.add_parser("parity", help="compare two paths site by site and name the first divergence")
     p.add_argument("--checkpoint", required=True, help="HF checkpoint directory")
     p.add_argument("--checkpoint-b", help="load the second path from this checkpoint instead")
     p.add_argument("--paths", default="reference,train",
                    help="two of reference, train, rollout, or a capture directory, comma-separated")
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="float32", choices=list(DTYPES))
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--kda-backend", default="torch", choices=list(BACKENDS))
+    run_arguments(p)
     p.add_argument("--streaming", action="store_true",
                    help="layer by layer from the files, each layer fed the reference's input (reference,train)")
     p.add_argument("--threshold", action="append", metavar="NAME=VALUE",
@@ -239,12 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", required=True)
     p.add_argument("--path", required=True, help="reference, train or rollout")
     p.add_argument("--out", required=True)
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", default="float32", choices=list(DTYPES))
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--kda-backend", default="torch", choices=list(BACKENDS))
+    run_arguments(p)
     p.set_defaults(func=cmd_capture)
 
     def train_arguments(p, lora_required=False):
