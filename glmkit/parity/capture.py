@@ -23,9 +23,7 @@ from glmkit.parity.dump import Capture
 
 def canonical(site: str, rows: torch.Tensor, extra: torch.Tensor | None = None):
     """Sort index rows; for router weights, order them like the sorted experts (`extra`)."""
-    if site == "indexer_topk":
-        return rows.to(torch.int64).sort(-1).values
-    if site == "router_experts":
+    if site in ("indexer_topk", "router_experts"):
         return rows.to(torch.int64).sort(-1).values
     if site == "router_weights" and extra is not None:
         return rows.float().gather(-1, extra.to(torch.int64).argsort(-1))
@@ -54,10 +52,6 @@ class _Collector:
             if site == "indexer_topk":
                 store.fill_(-1)
             self.capture.tensors[key] = store
-        if store.shape[1:] != rows.shape[1:]:  # e.g. a wider top-k at decode: keep the widest
-            wide = torch.full((self.total, *rows.shape[1:]), -1, dtype=rows.dtype)
-            wide[:, :store.shape[1]] = store
-            self.capture.tensors[key] = store = wide
         store[index] = rows
 
 

@@ -13,7 +13,7 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -77,7 +77,6 @@ class TrainConfig:
     save_interval: int = 0
     resume: bool = False
     progress: bool = True
-    extra: dict = field(default_factory=dict)
 
     def resolved(self) -> "TrainConfig":
         """Fill unset fields from the --model-name preset and validate."""
