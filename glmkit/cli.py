@@ -166,7 +166,8 @@ def cmd_lora_prepare(args) -> int:
 def cmd_ckpt_synth(args) -> int:
     from glmkit.checkpoint import synth_checkpoint
 
-    out = synth_checkpoint(args.variant, args.seed, args.out, dtype=_dtype(args.dtype), overwrite=args.overwrite)
+    out = synth_checkpoint(args.variant, args.seed, args.out, dtype=_dtype(args.dtype), overwrite=args.overwrite,
+                           device=args.device)
     print(f"wrote {out}")
     return 0
 
@@ -305,6 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     p.add_argument("--dtype", default="float32", choices=list(DTYPES))
     p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="where the random numbers are drawn (cuda: much faster at full width, other values)")
     p.set_defaults(func=cmd_ckpt_synth)
     p = ckpt.add_parser("slice", help="the first N layers of a checkpoint (streamed, bounded memory)")
     p.add_argument("--src", required=True)

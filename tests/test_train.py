@@ -81,6 +81,9 @@ def test_lora_trains_and_syncs_only_the_adapters(tmp_path):
     assert adapters and any(p.abs().max() > 0 for p in adapters.values())
     engine = dict(trainer.engine_model.named_parameters())
     assert all(torch.equal(engine[n], p) for n, p in adapters.items())
+    # the engine holds its own adapters but shares the frozen base (one copy of the big weights)
+    for name, p in trainer.policy.named_parameters():
+        assert (engine[name].data_ptr() == p.data_ptr()) == (not p.requires_grad), name
 
 
 def test_resume_continues_the_same_run(tmp_path):

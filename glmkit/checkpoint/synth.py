@@ -7,6 +7,9 @@ tensor gets a distribution chosen so activations stay O(1) but no tensor is neut
 Each tensor has its own generator seeded from (seed, name), so values do not depend on the
 order of generation or on the shard layout, and tensors are streamed into save_checkpoint one at
 a time (the full-width 4-layer variant, ~8.9B parameters, is never held in memory at once).
+Values depend on the device that generates them: CUDA's generator draws other numbers than the
+CPU's for the same seed, so a checkpoint synthesised on a GPU (minutes faster at full width) is
+reproducible on GPUs, not equal to the CPU one.
 """
 
 from __future__ import annotations
@@ -64,25 +67,27 @@ def _rule(name: str, shape: tuple[int, ...]) -> tuple[str, float, float]:
     raise ValueError(f"no synthetic init rule for tensor {name} {list(shape)}")
 
 
-def synth_tensor(name: str, shape: tuple[int, ...], seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """One reproducible random tensor; generated in fp32, then cast unless transformers keeps it fp32."""
-    generator = torch.Generator().manual_seed(tensor_seed(seed, name))
+def synth_tensor(name: str, shape: tuple[int, ...], seed: int, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu") -> torch.Tensor:
+    """One reproducible random tensor, on the CPU; generated in fp32 on `device`, then cast unless
+    transformers keeps it fp32."""
+    generator = torch.Generator(device=device).manual_seed(tensor_seed(seed, name))
     kind, a, b = _rule(name, shape)
-    tensor = torch.empty(shape, dtype=torch.float32)
+    tensor = torch.empty(shape, dtype=torch.float32, device=device)
     if kind == "uniform":
         tensor.uniform_(a, b, generator=generator)
     else:
         tensor.normal_(0.0, b, generator=generator)
         tensor += 1.0 if kind == "one_plus" else a
-    return tensor if keeps_fp32(name) else tensor.to(dtype)
+    return (tensor if keeps_fp32(name) else tensor.to(dtype)).cpu()
 
 
 def synth_tensors(config: Glm5NextTextConfig, seed: int, dtype: torch.dtype = torch.float32,
-                  progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+                  progress: bool = True, device: str | torch.device = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
     """Lazily yield (full on-disk name, tensor) for every text tensor of `config`."""
     shapes = expected_tensors(config)
     for name, shape in tqdm(shapes.items(), total=len(shapes), desc="synth", unit="tensor", disable=not progress):
-        yield name, synth_tensor(name, shape, seed, dtype)
+        yield name, synth_tensor(name, shape, seed, dtype, device)
 
 
 def _as_config(variant_or_config: str | Glm5NextTextConfig) -> Glm5NextTextConfig:
@@ -93,8 +98,8 @@ def _as_config(variant_or_config: str | Glm5NextTextConfig) -> Glm5NextTextConfi
 
 def synth_checkpoint(variant_or_config: str | Glm5NextTextConfig, seed: int, out: str | os.PathLike,
                      dtype: torch.dtype = torch.float32, overwrite: bool = False, progress: bool = True,
-                     max_shard_bytes: int = 5 * 2**30) -> Path:
+                     max_shard_bytes: int = 5 * 2**30, device: str | torch.device = "cpu") -> Path:
     """Write a seeded random checkpoint for a variant name or a text config; returns `out`."""
     config = _as_config(variant_or_config)
-    tensors = synth_tensors(config, seed, dtype, progress)
+    tensors = synth_tensors(config, seed, dtype, progress, device)
     return save_checkpoint(out, config, tensors, max_shard_bytes=max_shard_bytes, overwrite=overwrite)

@@ -170,17 +170,25 @@ class GRPOTrainer:
         if cfg.lora_rank:
             self.lora_names = lora.select(self.policy, cfg.target_modules, cfg.exclude_modules)
             lora.apply_lora(self.policy, self.lora_names, cfg.lora_rank, cfg.lora_alpha)
-        # the rollout engine's own copy (base and adapters), synced after every update
-        self.engine_model = copy.deepcopy(self.policy)
+        # The rollout engine's own copy, synced after every update. With LoRA only the adapters are
+        # copied: the frozen base is shared, as SGLang keeps its base in place and loads adapters.
+        self.engine_model = self._copy_trainable(self.policy)
         self.engine = RolloutEngine(self.engine_model, cfg.kda_backend)
         self.train_path = TrainPath(self.policy, cfg.kda_backend)
-        self.reference = copy.deepcopy(self.policy).eval() if cfg.kl_loss_coef else None
+        self.reference = self._copy_trainable(self.policy).eval() if cfg.kl_loss_coef else None
         self.trainable = [p for p in self.policy.parameters() if p.requires_grad]
         self.optimizer = torch.optim.Adam(self.trainable, lr=cfg.lr)
         self.start_step = 0
         if cfg.resume and (latest := _latest(cfg)) is not None:
             self._resume(latest)
         self.stop_ids = [t for t in (self.tokenizer.eos_token_id,) if t is not None]
+
+    @staticmethod
+    def _copy_trainable(model):
+        """A copy of `model` whose trainable parameters are its own and whose frozen ones are shared."""
+        shared = {id(p): p for p in model.parameters() if not p.requires_grad}
+        shared |= {id(b): b for b in model.buffers()}
+        return copy.deepcopy(model, memo=shared)
 
     def _resume(self, folder: Path):
         from glmkit.checkpoint import open_checkpoint
@@ -322,6 +330,8 @@ class GRPOTrainer:
         metrics["perf/train_time"] = t_train
         metrics["perf/tokens_per_s"] = tokens / max(1e-9, t_rollout + t_train)
         metrics["perf/step_time"] = time.time() - t0
+        if self.policy.device.type == "cuda":
+            metrics["perf/max_memory_allocated_gib"] = torch.cuda.max_memory_allocated(self.policy.device) / 2**30
         return metrics
 
     def run(self, on_metrics=None) -> list[dict]:
