@@ -24,10 +24,11 @@ def load_model(path, dtype: torch.dtype | None = None, device="cpu") -> Glm5Mode
 
     ckpt = open_checkpoint(path)
     with torch.device("meta"):
-        model = Glm5Model(ckpt.config)
+        model = cast_model(Glm5Model(ckpt.config), dtype or ckpt.dtype)
+    # allocated once in the final dtypes: no fp32 copy of a bf16 model on the way (2x the memory)
     model = model.to_empty(device=device)
     model.load_state_dict(ckpt.state_dict(), strict=True)
-    return cast_model(model, dtype or ckpt.dtype)
+    return model
 
 
 def save_model(model: Glm5Model, path, overwrite: bool = False, max_shard_bytes: int = 5 * 2**30):
