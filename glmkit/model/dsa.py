@@ -9,7 +9,9 @@ Two forms over the same weights:
 - un-absorbed (train path): k, v expanded per head, then gathered per query;
 - absorbed (rollout): kv_b's key half folded into the query (q' = q W_UK, [H, R]) and its value half
   into the output, so attention is MQA over the R-dim latent and the kv_b_proj module is never called.
-Memory is O(T x width) per query block, never a T x T mask.
+Memory is O(T x width) per query block, never a T x T mask: the selected ids are compacted to the
+longest row's count (a 60-token sequence attends over 60 columns, not index_topk), and with autograd
+each query block is recomputed in the backward instead of keeping its gathered keys and values.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from glmkit.model.indexer import IndexerState, LightningIndexer
 from glmkit.model.norms import RMSNorm
@@ -25,6 +28,15 @@ from glmkit.model.packed import Packed
 
 # Gathered elements per query block (rows x width x heads x dim): bounds train-path memory.
 _GATHER_BUDGET = 1 << 27
+
+
+def compact_selection(idx: torch.Tensor) -> torch.Tensor:
+    """idx [R, W] (-1 empty) -> [R, W'] with each row's ids first, in their order, and W' the
+    largest count of any row. Attention over the set is unchanged; the -1 columns cost nothing."""
+    empty = idx < 0
+    order = empty.to(torch.uint8).argsort(dim=-1, stable=True)
+    width = max(1, int((~empty).sum(-1).max())) if idx.numel() else 1
+    return idx.gather(1, order[:, :width])
 
 
 @dataclass
@@ -93,8 +105,8 @@ class SparseMLA(nn.Module):
             raise ValueError("a DSA layer with a shared indexer needs the top-k of the layer before it")
         else:
             topk = shared_topk
-        T, W = topk.shape
-        safe = topk.clamp(min=0)
+        selected = compact_selection(topk)
+        T, W = selected.shape
         if absorbed:
             per_row = W * self.rank
         else:
@@ -106,10 +118,18 @@ class SparseMLA(nn.Module):
         for r0 in range(0, T, rows):
             sl = slice(r0, min(T, r0 + rows))
             if absorbed:
-                outs.append(self._attend_absorbed(q[sl], latent[safe[sl]], topk[sl]))
+                outs.append(self._attend_absorbed(q[sl], latent[selected[sl].clamp(min=0)], selected[sl]))
+            elif torch.is_grad_enabled():
+                # the gathered k/v of every block would stay alive for the backward (T x W x H x d
+                # in all); recomputing one block at a time keeps the bound in training too
+                outs.append(checkpoint(self._gather_attend, q[sl], k, v, selected[sl], use_reentrant=False))
             else:
-                outs.append(self._attend_expanded(q[sl], k[safe[sl]], v[safe[sl]], topk[sl]))
+                outs.append(self._gather_attend(q[sl], k, v, selected[sl]))
         return self.o_proj(torch.cat(outs).flatten(-2)), topk
+
+    def _gather_attend(self, q, k, v, idx):
+        safe = idx.clamp(min=0)
+        return self._attend_expanded(q, k[safe], v[safe], idx)
 
     def forward_step(self, x, lengths, state: DSAState, shared_topk=None):
         """x [B, D] new tokens at cache positions `lengths` [B] -> (out [B, D], selected positions)."""
@@ -120,8 +140,9 @@ class SparseMLA(nn.Module):
             topk = self.indexer.select_step(x, q_resid, lengths, state.indexer)
         else:
             topk = shared_topk
-        gathered = state.latent[rows[:, None], topk.clamp(min=0)]
-        return self.o_proj(self._attend_absorbed(q, gathered, topk).flatten(-2)), topk
+        selected = compact_selection(topk)
+        gathered = state.latent[rows[:, None], selected.clamp(min=0)]
+        return self.o_proj(self._attend_absorbed(q, gathered, selected).flatten(-2)), topk
 
     def empty_state(self, batch: int, capacity: int, dtype, device) -> DSAState:
         latent = torch.zeros(batch, capacity, self.rank, dtype=dtype, device=device)
