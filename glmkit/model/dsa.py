@@ -32,7 +32,7 @@ _GATHER_BUDGET = 1 << 27
 
 def compact_selection(idx: torch.Tensor) -> torch.Tensor:
     """idx [R, W] (-1 empty) -> [R, W'] with each row's ids first, in their order, and W' the
-    largest count of any row. Attention over the set is unchanged; the -1 columns cost nothing."""
+    largest count of any row. Each row attends over the same set; only the all-empty columns go."""
     empty = idx < 0
     order = empty.to(torch.uint8).argsort(dim=-1, stable=True)
     width = max(1, int((~empty).sum(-1).max())) if idx.numel() else 1
