@@ -6,7 +6,7 @@ tensor gets a distribution chosen so activations stay O(1) but no tensor is neut
 
 Each tensor has its own generator seeded from (seed, name), so values do not depend on the
 order of generation or on the shard layout, and tensors are streamed into save_checkpoint one at
-a time (the full-width 4-layer variant, ~8.9B parameters, is never held in memory at once).
+a time (the full-width 4-layer variant, ~9.5B parameters, is never held in memory at once).
 Values depend on the device that generates them: CUDA's generator draws other numbers than the
 CPU's for the same seed, so a checkpoint synthesised on a GPU (minutes faster at full width) is
 reproducible on GPUs, not equal to the CPU one.
