@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 DTYPES = {"float32": "float32", "bfloat16": "bfloat16"}
+DEVICES = ["cpu", "cuda"]
 
 
 def _dtype(name: str):
@@ -211,7 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--decode-steps", type=int, default=16)
     p.add_argument("--dtype", default="float32", choices=list(DTYPES))
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--device", default="cpu", choices=DEVICES)
     p.add_argument("--kda-backend", default="torch", choices=list(BACKENDS))
     p.add_argument("--out", default="reports/check", help="report directory")
     p.set_defaults(func=cmd_check)
@@ -222,7 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--batch", type=int, default=2)
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--dtype", default="float32", choices=list(DTYPES))
-        p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+        p.add_argument("--device", default="cpu", choices=DEVICES)
         p.add_argument("--kda-backend", default="torch", choices=list(BACKENDS))
 
     p = sub.add_parser("parity", help="compare two paths site by site and name the first divergence")
@@ -276,7 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--lora-alpha", type=float, default=16.0)
         p.add_argument("--target-modules", default="attn,mlp")
         p.add_argument("--exclude-modules", default=DEFAULT_EXCLUDE)
-        p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+        p.add_argument("--device", default="cpu", choices=DEVICES)
         p.add_argument("--dtype", default="float32", choices=list(DTYPES))
         p.add_argument("--kda-backend", default="torch", choices=list(BACKENDS))
         p.add_argument("--seed", type=int, default=0)
@@ -306,7 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True)
     p.add_argument("--dtype", default="float32", choices=list(DTYPES))
     p.add_argument("--overwrite", action="store_true")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+    p.add_argument("--device", default="cpu", choices=DEVICES,
                    help="where the random numbers are drawn (cuda: much faster at full width, other values)")
     p.set_defaults(func=cmd_ckpt_synth)
     p = ckpt.add_parser("slice", help="the first N layers of a checkpoint (streamed, bounded memory)")
