@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from glmkit.kernels.backends import Backends
+
 # fp32 tolerances (see tests/test_model_parity.py for why): relative RMS of logits, and the
 # train-vs-rollout log-prob max |diff|. bf16 runs get looser bounds.
 TOLERANCE = {
@@ -32,7 +34,7 @@ class CheckSettings:
     decode_steps: int = 16
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
-    kda_backend: str = "torch"
+    backends: Backends | str | None = None
 
 
 def _rel_rms(ref, x) -> float:
@@ -79,12 +81,12 @@ def run_check(settings: CheckSettings, work_dir: Path) -> dict:
     bar.set_postfix_str("train path"), bar.update()
     expected = reference_logits(ref, prompts)
     with torch.no_grad():
-        train = TrainPath(model, settings.kda_backend).forward(prompts, return_logits=True)
+        train = TrainPath(model, settings.backends).forward(prompts, return_logits=True)
     for i, (s, e) in enumerate(train.packed.bounds()):
         compare(f"reference vs train: logits, sequence {i}", expected[i], train.logits[s:e])
 
     bar.set_postfix_str("rollout prefill"), bar.update()
-    engine = RolloutEngine(model, settings.kda_backend)
+    engine = RolloutEngine(model, settings.backends)
     greedy = engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=settings.decode_steps))
     feed = torch.tensor([c.tokens + [0] * (settings.decode_steps - len(c.tokens)) for c in greedy])
     _, ref_steps = reference_decode_logits(ref, prompts, feed[:, :-1])
@@ -99,7 +101,7 @@ def run_check(settings: CheckSettings, work_dir: Path) -> dict:
 
     bar.set_postfix_str("train vs rollout"), bar.update()
     with torch.no_grad():
-        rescored = TrainPath(model, settings.kda_backend).forward([c.prompt + c.tokens for c in greedy])
+        rescored = TrainPath(model, settings.backends).forward([c.prompt + c.tokens for c in greedy])
     diffs = []
     for c, (s, e) in zip(greedy, rescored.packed.bounds()):
         train_lp = rescored.logprobs[s + len(c.prompt) - 1:e - 1].cpu()
@@ -118,7 +120,7 @@ def run_check(settings: CheckSettings, work_dir: Path) -> dict:
         "checkpoint": str(path), "variant": settings.variant if settings.checkpoint is None else None,
         "model": describe(config), "load_summary": ckpt.skipped_summary(),
         "dtype": str(settings.dtype).replace("torch.", ""), "device": settings.device,
-        "kda_backend": settings.kda_backend, "seed": settings.seed,
+        "backends": str(Backends.parse(settings.backends)), "seed": settings.seed,
         "prompt_lengths": [len(p) for p in prompts], "decode_steps": settings.decode_steps,
         "checks": checks, "train_rollout_logprob": logprob, "seconds": round(time.time() - started, 2),
         "_curves": {k: [c.tolist() for c in v] for k, v in curves.items()},
@@ -146,7 +148,7 @@ def render(result: dict) -> str:
     ax.hist([max(v, 1e-12) for v in result["_per_token"]], bins=30)
     ax.set_xlabel("|logp train - logp rollout| per generated token")
     hist = report.figure_png(fig)
-    header = {k: result[k] for k in ("checkpoint", "model", "load_summary", "dtype", "device", "kda_backend",
+    header = {k: result[k] for k in ("checkpoint", "model", "load_summary", "dtype", "device", "backends",
                                      "seed", "prompt_lengths", "decode_steps", "seconds")}
     header.update({f"version: {k}": v for k, v in report.versions().items()})
     sections = [

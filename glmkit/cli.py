@@ -13,6 +13,25 @@ DTYPES = {"float32": "float32", "bfloat16": "bfloat16"}
 DEVICES = ["cpu", "cuda"]
 
 
+def _backends(args):
+    """The one Backends value of a run, from --kda-backend / --dsa-backend / --moe-backend."""
+    from glmkit.kernels.backends import Backends
+
+    return Backends(kda=args.kda_backend, dsa=args.dsa_backend, moe=args.moe_backend)
+
+
+def _backend_arguments(p):
+    from glmkit.kernels.backends import DSA_BACKENDS, KDA_BACKENDS, MOE_BACKENDS, Backends
+
+    default = Backends()
+    p.add_argument("--kda-backend", default=default.kda, choices=list(KDA_BACKENDS),
+                   help="KDA kernels: torch (reference) or fla (CUDA)")
+    p.add_argument("--dsa-backend", default=default.dsa, choices=list(DSA_BACKENDS),
+                   help="sparse MLA for full sequences: naive (reference) or absorbed")
+    p.add_argument("--moe-backend", default=default.moe, choices=list(MOE_BACKENDS),
+                   help="routed experts: loop (reference), grouped (torch._grouped_mm, CUDA bf16) or auto")
+
+
 def _dtype(name: str):
     import torch
 
@@ -24,7 +43,7 @@ def cmd_check(args) -> int:
 
     settings = check.CheckSettings(checkpoint=Path(args.checkpoint) if args.checkpoint else None,
                                    variant=args.variant, seed=args.seed, decode_steps=args.decode_steps,
-                                   dtype=_dtype(args.dtype), device=args.device, kda_backend=args.kda_backend)
+                                   dtype=_dtype(args.dtype), device=args.device, backends=_backends(args))
     result = check.run_check(settings, work_dir=Path(args.out))
     html_path, json_path = check.write(result, Path(args.out))
     for c in result["checks"]:
@@ -75,7 +94,7 @@ def cmd_parity(args) -> int:
     if len(paths) != 2:
         raise ValueError(f"--paths takes two paths separated by a comma, got {args.paths!r}")
     result, cap_a, cap_b = parity(args.checkpoint, paths, args.checkpoint_b, args.seq_len, args.batch, args.dtype,
-                                  args.device, args.kda_backend, args.streaming, _thresholds(args.threshold),
+                                  args.device, _backends(args), args.streaming, _thresholds(args.threshold),
                                   args.seed)
     print(f"{result.path_a} vs {result.path_b} ({result.mode}, {result.dtype}; thresholds {result.thresholds})")
     print(_parity_table(result))
@@ -106,7 +125,7 @@ def cmd_capture(args) -> int:
         raise ValueError(f"unknown path {args.path!r}; allowed: reference, train, rollout")
     seqs, prompts = make_inputs(open_checkpoint(args.checkpoint).config.vocab_size, args.batch, args.seq_len, args.seed)
     cap = capture_path(args.path, args.checkpoint, seqs, prompts, getattr(torch, args.dtype), args.device,
-                       args.kda_backend)
+                       _backends(args))
     print(f"wrote {save_capture(cap, args.out)}")
     return 0
 
@@ -117,7 +136,7 @@ def _train_config(args):
     from glmkit.rl.loop import TrainConfig
 
     names = {f.name for f in fields(TrainConfig)}
-    return TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
+    return TrainConfig(**{k: v for k, v in vars(args).items() if k in names}, backends=str(_backends(args)))
 
 
 def cmd_train(args) -> int:
@@ -201,7 +220,6 @@ def cmd_variants(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from glmkit.config import VARIANTS
-    from glmkit.kernels.kda import BACKENDS
 
     parser = argparse.ArgumentParser(prog="glmkit", description="GLM-5.3-Flash RL bring-up kit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -213,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-steps", type=int, default=16)
     p.add_argument("--dtype", default="float32", choices=list(DTYPES))
     p.add_argument("--device", default="cpu", choices=DEVICES)
-    p.add_argument("--kda-backend", default="torch", choices=list(BACKENDS))
+    _backend_arguments(p)
     p.add_argument("--out", default="reports/check", help="report directory")
     p.set_defaults(func=cmd_check)
 
@@ -224,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--dtype", default="float32", choices=list(DTYPES))
         p.add_argument("--device", default="cpu", choices=DEVICES)
-        p.add_argument("--kda-backend", default="torch", choices=list(BACKENDS))
+        _backend_arguments(p)
 
     p = sub.add_parser("parity", help="compare two paths site by site and name the first divergence")
     p.add_argument("--checkpoint", required=True, help="HF checkpoint directory")
@@ -279,7 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--exclude-modules", default=DEFAULT_EXCLUDE)
         p.add_argument("--device", default="cpu", choices=DEVICES)
         p.add_argument("--dtype", default="float32", choices=list(DTYPES))
-        p.add_argument("--kda-backend", default="torch", choices=list(BACKENDS))
+        _backend_arguments(p)
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--metrics-out", default="reports/train/metrics.jsonl")
         p.add_argument("--save", help="checkpoint directory")

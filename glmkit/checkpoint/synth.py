@@ -68,9 +68,9 @@ def _rule(name: str, shape: tuple[int, ...]) -> tuple[str, float, float]:
 
 
 def synth_tensor(name: str, shape: tuple[int, ...], seed: int, dtype: torch.dtype = torch.float32,
-                 device: str | torch.device = "cpu") -> torch.Tensor:
-    """One reproducible random tensor, on the CPU; generated in fp32 on `device`, then cast unless
-    transformers keeps it fp32."""
+                 device: str | torch.device = "cpu", keep_on_device: bool = False) -> torch.Tensor:
+    """One reproducible random tensor, on the CPU (or left on `device`); generated in fp32 on
+    `device`, then cast unless transformers keeps it fp32."""
     generator = torch.Generator(device=device).manual_seed(tensor_seed(seed, name))
     kind, a, b = _rule(name, shape)
     tensor = torch.empty(shape, dtype=torch.float32, device=device)
@@ -79,7 +79,8 @@ def synth_tensor(name: str, shape: tuple[int, ...], seed: int, dtype: torch.dtyp
     else:
         tensor.normal_(0.0, b, generator=generator)
         tensor += 1.0 if kind == "one_plus" else a
-    return (tensor if keeps_fp32(name) else tensor.to(dtype)).cpu()
+    tensor = tensor if keeps_fp32(name) else tensor.to(dtype)
+    return tensor if keep_on_device else tensor.cpu()
 
 
 def synth_tensors(config: Glm5NextTextConfig, seed: int, dtype: torch.dtype = torch.float32,
@@ -103,3 +104,22 @@ def synth_checkpoint(variant_or_config: str | Glm5NextTextConfig, seed: int, out
     config = _as_config(variant_or_config)
     tensors = synth_tensors(config, seed, dtype, progress, device)
     return save_checkpoint(out, config, tensors, max_shard_bytes=max_shard_bytes, overwrite=overwrite)
+
+
+@torch.no_grad()
+def synth_model(variant_or_config: str | Glm5NextTextConfig, seed: int, dtype: torch.dtype = torch.bfloat16,
+                device: str | torch.device = "cuda", progress: bool = True):
+    """glmkit's model with the values `synth_checkpoint(..., device=device)` would write, made in
+    place on `device` (no disk, no CPU copy): how benchmarks get a full-width model in seconds."""
+    from glmkit.checkpoint.names import LM_HEAD, TEXT_PREFIX
+    from glmkit.model import Glm5Model, cast_model
+
+    config = _as_config(variant_or_config)
+    with torch.device("meta"):
+        model = cast_model(Glm5Model(config), dtype)
+    model = model.to_empty(device=device)
+    state = model.state_dict()  # per-expert entries are views into the stacked expert weights
+    for name, target in tqdm(state.items(), total=len(state), desc="synth", unit="tensor", disable=not progress):
+        full = name if name == LM_HEAD else TEXT_PREFIX + name
+        target.copy_(synth_tensor(full, tuple(target.shape), seed, dtype, device, keep_on_device=True))
+    return model

@@ -8,6 +8,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from glmkit.kernels.backends import Backends
 from glmkit.model import mhc
 from glmkit.model.dsa import SparseMLA
 from glmkit.model.kda import KimiDeltaAttention
@@ -19,18 +20,23 @@ from glmkit.model.packed import Packed
 
 @dataclass
 class Run:
-    """What one forward needs besides the tokens: the layout (packed sequences, or one decode step
-    with cache lengths), the KDA kernel backend, the DSA form, the decode cache, and an optional
+    """What one forward needs besides the tokens: the kernel backends, the layout (packed sequences,
+    or one decode step with cache lengths), the decode cache, routing to replay, whether each block
+    is recomputed in the backward (activation checkpointing), and an optional
     `record(layer, site, tensor)` observer that parity captures use (sites in glmkit.model.sites)."""
 
-    kda: object
+    backends: Backends = field(default_factory=Backends)
     packed: Packed | None = None
     lengths: torch.Tensor | None = None
-    absorbed: bool = False
     states: list | None = None
     record: Callable | None = None
     topk: torch.Tensor | None = None
     routing: dict = field(default_factory=dict)
+    recompute: bool = False
+
+    def __post_init__(self):
+        self.backends = Backends.parse(self.backends)
+        self.kda, self.dsa = self.backends.kda_ops(), self.backends.dsa_ops()
 
     def emit(self, layer: int, site: str, value):
         if self.record is not None:
@@ -78,7 +84,7 @@ class DecoderBlock(nn.Module):
                 out = self.self_attn.forward_step(x, state, run.kda)
         else:
             if run.packed is not None:
-                out, topk = self.self_attn.forward_packed(x, run.packed, run.topk, run.absorbed, state)
+                out, topk = self.self_attn.forward_packed(x, run.packed, run.dsa, run.topk, state)
             else:
                 out, topk = self.self_attn.forward_step(x, run.lengths, state, run.topk)
             run.topk = topk
@@ -92,7 +98,7 @@ class DecoderBlock(nn.Module):
         x = self.post_attention_layernorm(mhc.collapse(streams, pre))
         run.emit(L, "mlp_in", x)
         if self.is_moe:
-            out, routing = self.mlp(x, run.routing.get(L))
+            out, routing = self.mlp(x, run.routing.get(L), run.backends.moe)
             run.emit(L, "router_experts", routing.experts)
             run.emit(L, "router_weights", routing.weights)
         else:

@@ -33,6 +33,20 @@ class IndexerState:
     pools: torch.Tensor
 
 
+def topk_lowest_index_first(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest of scores [R, P] (fp32) per row, largest first, equal scores in
+    increasing index order: the first k of a stable descending sort, without sorting all P.
+
+    ReLU makes exact ties (often at 0) common, and torch.topk orders ties differently for other
+    shapes and devices; one total order keeps every path (packed, decode, any batch) on the same
+    pools. Each score becomes an order-preserving int32 (negative floats have their magnitude bits
+    flipped; + 0.0 turns -0.0 into 0.0 first), joined with the reversed index into one int64 key."""
+    bits = (scores.float() + 0.0).view(torch.int32)
+    order = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
+    reversed_index = scores.shape[-1] - 1 - torch.arange(scores.shape[-1], device=scores.device)
+    return torch.topk(order * (1 << 32) + reversed_index, k, dim=-1, sorted=True).indices
+
+
 class LightningIndexer(nn.Module):
     def __init__(self, config):
         super().__init__()
@@ -77,18 +91,19 @@ class LightningIndexer(nn.Module):
 
     def _expand(self, scores, visible_count):
         """scores [R, P] over pools, visible_count [R] (tokens visible to each query, itself included)
-        -> token positions [R, width] relative to the sequence start, -1 = empty."""
+        -> token positions [R, width] relative to the sequence start, -1 = empty. The layout does not
+        depend on P (the pools scored): always topk // kpool pool slots, then the tail."""
+        take = self.topk // self.kpool
+        if scores.shape[1] < take:  # fewer pools than slots: the missing ones are never candidates
+            scores = F.pad(scores, (0, take - scores.shape[1]), value=float("-inf"))
         R, P = scores.shape
         complete = visible_count // self.kpool
         pool_ids = torch.arange(P, device=scores.device)
         candidate = pool_ids[None] < complete[:, None]
-        take = min(self.topk // self.kpool, P)
         pieces = []
         if take:
-            # ReLU makes exact ties (often at 0) common; a stable sort breaks them by lower pool
-            # index, so every path (packed, decode, any batch shape) selects the same pools.
             masked = scores.masked_fill(~candidate, float("-inf"))
-            chosen = masked.sort(dim=-1, descending=True, stable=True).indices[:, :take]
+            chosen = topk_lowest_index_first(masked, take)
             ok = candidate.gather(1, chosen)
             tokens = chosen[..., None] * self.kpool + torch.arange(self.kpool, device=scores.device)
             pieces.append(tokens.masked_fill(~ok[..., None], -1).flatten(1))
@@ -117,7 +132,9 @@ class LightningIndexer(nn.Module):
             rows = max(1, _SCORE_BUDGET // max(1, self.n_heads * n_pools))
             for r0 in range(0, L, rows):
                 r1 = min(L, r0 + rows)
-                scores = self._scores(q[start + r0:start + r1], w[start + r0:start + r1], pools)
+                # pools that complete after the block's last row are candidates for none of its rows
+                seen = pools[:r1 // self.kpool]
+                scores = self._scores(q[start + r0:start + r1], w[start + r0:start + r1], seen)
                 visible = torch.arange(r0 + 1, r1 + 1, device=x.device)
                 sel = self._expand(scores, visible)
                 out[start + r0:start + r1] = torch.where(sel >= 0, sel + start, sel)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from torch.utils.checkpoint import checkpoint
+
 from glmkit.model.block import DecoderBlock, Run
 from glmkit.model.norms import RMSNorm
 
@@ -26,7 +28,10 @@ class Glm5Model(nn.Module):
         streams = x.unsqueeze(-2).expand(*x.shape[:-1], self.config.hc_mult, x.shape[-1]).contiguous()
         run.topk = None
         for block in self.layers:
-            streams = block(streams, run)
+            if run.recompute and torch.is_grad_enabled():
+                streams = checkpoint(_Recomputed(block, run), streams, use_reentrant=False)
+            else:
+                streams = block(streams, run)
         hidden = self.norm(streams.mean(-2))
         run.emit(None, "final_hidden", hidden)
         return hidden
@@ -38,3 +43,23 @@ class Glm5Model(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
+
+
+class _Recomputed:
+    """One block under activation checkpointing. The backward runs it a second time; that run must
+    see the shared top-k the first run saw (run.topk has moved on by then) and records nothing."""
+
+    def __init__(self, block: DecoderBlock, run: Run):
+        self.block, self.run, self.topk, self.done = block, run, run.topk, False
+
+    def __call__(self, streams):
+        if not self.done:  # the forward
+            self.done = True
+            return self.block(streams, self.run)
+        run = self.run
+        saved = run.topk, run.record
+        run.topk, run.record = self.topk, None
+        try:
+            return self.block(streams, run)
+        finally:
+            run.topk, run.record = saved

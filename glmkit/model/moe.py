@@ -1,5 +1,7 @@
 """Mixture of experts: sigmoid router with a bias used only for the choice, top-k routed experts
-plus always-on shared experts. Tokens are grouped per expert; only chosen experts run."""
+plus always-on shared experts. The routed experts' weights are stacked ([E, 2I, D] and [E, D, I],
+as transformers holds them) and run either expert by expert ("loop", the CPU path and reference)
+or as two grouped GEMMs over all experts at once ("grouped", CUDA bf16)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from glmkit.model.mlp import MLP
+from glmkit.model.mlp import MLP, clamped_swiglu
+
+IMPLS = ("auto", "loop", "grouped")
+# Each expert's rows in the grouped buffer start at a multiple of this many rows.
+GROUP_ALIGN = 16
 
 
 @dataclass
@@ -43,6 +49,145 @@ class Router(nn.Module):
         return Routing(experts, weights * self.scaling)
 
 
+def grouped_mm_available(x: torch.Tensor, hidden: int, intermediate: int) -> bool:
+    """Whether `torch._grouped_mm` can run the experts on x: CUDA, bf16 (its only dtype there), and
+    rows of 16-byte multiples (8 bf16 values) in every operand."""
+    return (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+            and hidden % 8 == 0 and intermediate % 8 == 0)
+
+
+class GroupedExperts(nn.Module):
+    """The routed experts' SwiGLU weights, stacked as transformers' glm5_next holds them in memory:
+    gate_up_proj [E, 2I, D] (rows [:I] are expert e's gate_proj.weight, rows [I:] its up_proj.weight)
+    and down_proj [E, D, I] (expert e's down_proj.weight).
+
+    State dicts keep the checkpoint's per-expert names, `{e}.gate_proj.weight` [I, D],
+    `{e}.up_proj.weight` [I, D] and `{e}.down_proj.weight` [D, I], saved as views of the stacks and
+    loaded by copying into their slices."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, swiglu_limit: float):
+        super().__init__()
+        self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
+        self.swiglu_limit = swiglu_limit
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        # nn.Linear's default, per expert: U(-1/sqrt(fan_in), 1/sqrt(fan_in))
+        nn.init.uniform_(self.gate_up_proj, -self.hidden ** -0.5, self.hidden ** -0.5)
+        nn.init.uniform_(self.down_proj, -self.intermediate ** -0.5, self.intermediate ** -0.5)
+
+    def per_expert(self, gate_up: torch.Tensor, down: torch.Tensor):
+        """(per-expert state-dict name, view of its slice) of the given stacks, in checkpoint order:
+        expert 0..E-1, and gate, up, down within each expert."""
+        I = self.intermediate
+        for e in range(self.num_experts):
+            yield f"{e}.gate_proj.weight", gate_up[e, :I]
+            yield f"{e}.up_proj.weight", gate_up[e, I:]
+            yield f"{e}.down_proj.weight", down[e]
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        stacks = (self.gate_up_proj, self.down_proj) if keep_vars else \
+            (self.gate_up_proj.detach(), self.down_proj.detach())
+        for name, view in self.per_expert(*stacks):
+            destination[prefix + name] = view
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        for hook in self._load_state_dict_pre_hooks.values():
+            hook(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        if local_metadata.get("assign_to_params_buffers", False):
+            # assigning per-expert tensors would leave nothing stacked to assign them to
+            error_msgs.append(f"{prefix}*: load_state_dict(assign=True) is not supported for the stacked routed "
+                              f"experts; load with assign=False (the default) into allocated weights")
+            return
+        expected = set()
+        with torch.no_grad():
+            for name, view in self.per_expert(self.gate_up_proj, self.down_proj):
+                key = prefix + name
+                expected.add(key)
+                if key not in state_dict:
+                    if strict:
+                        missing_keys.append(key)
+                    continue
+                value = state_dict[key]
+                if value.shape != view.shape:
+                    error_msgs.append(f"size mismatch for {key}: copying a param with shape {tuple(value.shape)} "
+                                      f"from checkpoint, the shape in current model is {tuple(view.shape)}.")
+                    continue
+                view.copy_(value)
+        if strict:
+            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in expected)
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert e's SwiGLU: x [N, D] -> [N, D]."""
+        return self._swiglu(x, self.gate_up_proj[e], self.down_proj[e])
+
+    def _swiglu(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+        """x [N, D], one expert's gate_up [2I, D] and down [D, I] -> [N, D]."""
+        gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+        return F.linear(clamped_swiglu(gate, up, self.swiglu_limit), down)
+
+    def forward(self, x: torch.Tensor, routing: Routing, impl: str) -> torch.Tensor:
+        """x [T, D] -> sum over the k chosen experts of weight * expert(x), [T, D] in x.dtype.
+        impl: "loop" or "grouped" (MoE.forward resolves "auto")."""
+        if impl == "grouped":
+            return self._grouped(x, routing)
+        return self._loop(x, routing)
+
+    def _loop(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """One GEMM pair per expert that has tokens: the CPU path, and the reference for "grouped"."""
+        flat_expert = routing.experts.flatten()
+        order = flat_expert.argsort(stable=True)
+        token_of = order // routing.experts.shape[1]
+        counts = torch.bincount(flat_expert, minlength=self.num_experts).tolist()
+        flat_weight = routing.weights.flatten()[order]
+        # unbound once: the backward stacks all experts' gradients into one [E, ...] tensor, where
+        # indexing per expert would add a full-size zero-padded gradient for every expert used
+        gate_ups, downs = self.gate_up_proj.unbind(0), self.down_proj.unbind(0)
+        out = torch.zeros_like(x)
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                rows = token_of[start:start + n]
+                y = self._swiglu(x[rows], gate_ups[e], downs[e]) * flat_weight[start:start + n, None]
+                out.index_add_(0, rows, y.to(out.dtype))
+            start += n
+        return out
+
+    def _grouped(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """Two `torch._grouped_mm` calls over a buffer holding each (token, slot) pair once, grouped by
+        expert; no loop over experts and no host sync (the buffer has its upper-bound size)."""
+        T, k = routing.experts.shape
+        E, D, slots = self.num_experts, x.shape[1], T * k
+        arange = torch.arange(slots + E * (GROUP_ALIGN - 1), device=x.device)
+        flat_expert = routing.experts.flatten()
+        sorted_expert, order = flat_expert.sort(stable=True)
+        # per expert [E]: its run in the sorted slots, and its rows in the buffer (padded to GROUP_ALIGN)
+        sorted_end = torch.searchsorted(sorted_expert, arange[:E], right=True)
+        counts = sorted_end.diff(prepend=sorted_end.new_zeros(1))
+        padded = (counts + GROUP_ALIGN - 1) // GROUP_ALIGN * GROUP_ALIGN
+        padded_end = padded.cumsum(0)
+        shift = (padded_end - padded) - (sorted_end - counts)  # buffer start - sorted start
+        sorted_row = arange[:slots] + shift[sorted_expert]
+        row_of_slot = torch.empty_like(sorted_row).scatter_(0, order, sorted_row)  # [T*k], slot t*k+j
+        # every row is written once (index_copy) and read once (index_select), so forward and backward
+        # are free of accumulation; each token's k copies come from expand, whose backward is a sum over k
+        x_per_slot = x.unsqueeze(1).expand(T, k, D).reshape(slots, D)
+        buffer = x.new_zeros(len(arange), D).index_copy(0, row_of_slot, x_per_slot)
+        offs = padded_end.to(torch.int32)
+        gate_up = torch._grouped_mm(buffer, self.gate_up_proj.transpose(-2, -1), offs=offs)
+        # _grouped_mm leaves the rows past offs[-1] uninitialised: zero them before SwiGLU, whose
+        # forward and backward would otherwise turn garbage into inf / NaN
+        gate_up = gate_up.masked_fill((arange >= padded_end[-1]).unsqueeze(1), 0)
+        gate, up = gate_up.chunk(2, dim=-1)
+        hidden = clamped_swiglu(gate, up, self.swiglu_limit)
+        y = torch._grouped_mm(hidden, self.down_proj.transpose(-2, -1), offs=offs)
+        per_slot = y.index_select(0, row_of_slot).view(T, k, D)
+        return (per_slot.float() * routing.weights.unsqueeze(-1)).sum(1).to(x.dtype)
+
+
 class MoE(nn.Module):
     def __init__(self, config):
         super().__init__()
@@ -52,23 +197,18 @@ class MoE(nn.Module):
         D, I = config.hidden_size, config.moe_intermediate_size
         self.gate = Router(D, config.n_routed_experts, config.num_experts_per_tok,
                            config.routed_scaling_factor, config.norm_topk_prob)
-        self.experts = nn.ModuleList(MLP(D, I, config.swiglu_limit) for _ in range(config.n_routed_experts))
+        self.experts = GroupedExperts(config.n_routed_experts, D, I, config.swiglu_limit)
         self.shared_experts = MLP(D, I * config.n_shared_experts, config.swiglu_limit)
 
-    def forward(self, x: torch.Tensor, experts: torch.Tensor | None = None) -> tuple[torch.Tensor, Routing]:
-        """x [T, D] -> ([T, D], Routing)."""
+    def forward(self, x: torch.Tensor, experts: torch.Tensor | None = None,
+                impl: str = "auto") -> tuple[torch.Tensor, Routing]:
+        """x [T, D] -> ([T, D], Routing). `experts` [T, k] replays a routing (see Router.forward).
+        impl: "loop" (expert by expert), "grouped" (torch._grouped_mm; CUDA bf16) or "auto" (grouped
+        where it can run, else loop)."""
+        if impl not in IMPLS:
+            raise ValueError(f"impl={impl!r}; allowed: {', '.join(IMPLS)}")
+        if impl == "auto":
+            fits = grouped_mm_available(x, self.experts.hidden, self.experts.intermediate)
+            impl = "grouped" if fits else "loop"
         routing = self.gate(x, experts)
-        flat_expert = routing.experts.flatten()
-        order = flat_expert.argsort(stable=True)
-        token_of = order // routing.experts.shape[1]
-        counts = torch.bincount(flat_expert, minlength=len(self.experts)).tolist()
-        flat_weight = routing.weights.flatten()[order]
-        out = torch.zeros_like(x)
-        start = 0
-        for e, n in enumerate(counts):
-            if n:
-                rows = token_of[start:start + n]
-                y = self.experts[e](x[rows]) * flat_weight[start:start + n, None]
-                out.index_add_(0, rows, y.to(out.dtype))
-            start += n
-        return out + self.shared_experts(x), routing
+        return self.experts(x, routing, impl) + self.shared_experts(x), routing

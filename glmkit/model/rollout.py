@@ -1,6 +1,6 @@
 """Rollout path: a serving-style engine over the same weights.
 
-Prefill runs the prompts packed (KDA chunked, DSA absorbed) and leaves per-request caches: KDA conv
+Prefill runs the prompts packed (KDA chunked, DSA through the run's kernel backend) and leaves per-request caches: KDA conv
 and recurrent states, the DSA latent (R dims per token, never expanded per head), and the indexer's
 keys, gates and completed pool keys. Decode then advances every request one token per step (KDA
 recurrent update, DSA absorbed over the selected latents, the indexer compressing a pool the moment
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from glmkit.kernels.kda import get_backend
+from glmkit.kernels.backends import Backends
 from glmkit.model.block import Run
 from glmkit.model.model import Glm5Model
 from glmkit.model.packed import pack
@@ -59,9 +59,10 @@ class DecodeBatch:
 
 
 class RolloutEngine:
-    def __init__(self, model: Glm5Model, kda_backend: str = "torch"):
+    def __init__(self, model: Glm5Model, backends: Backends | str | None = None):
         self.model = model
-        self.kda = get_backend(kda_backend)
+        self.backends = Backends.parse(backends)
+        self.backends.kda_ops(), self.backends.dsa_ops()  # an unavailable backend fails here, named
 
     def _empty_states(self, batch: int, capacity: int):
         dtype, device = self.model.dtype, self.model.device
@@ -76,7 +77,7 @@ class RolloutEngine:
         if max(packed.lengths()) > capacity:
             raise ValueError(f"capacity {capacity} is shorter than the longest prompt ({max(packed.lengths())})")
         states = self._empty_states(packed.num_sequences, capacity)
-        run = Run(kda=self.kda, packed=packed, absorbed=True, states=states, record=record)
+        run = Run(self.backends, packed=packed, states=states, record=record)
         hidden = self.model.hidden(input_ids, run)
         rows = hidden if all_logits else hidden[packed.last_indices()]
         lengths = torch.as_tensor(packed.lengths(), device=self.model.device)
@@ -85,7 +86,7 @@ class RolloutEngine:
     @torch.no_grad()
     def step(self, batch: DecodeBatch, tokens: torch.Tensor, record=None) -> torch.Tensor:
         """tokens [B] (one per request) -> logits [B, V]; the caches advance by one."""
-        run = Run(kda=self.kda, lengths=batch.lengths, states=batch.states, absorbed=True, record=record)
+        run = Run(self.backends, lengths=batch.lengths, states=batch.states, record=record)
         hidden = self.model.hidden(tokens, run)
         batch.lengths = batch.lengths + 1
         return self.model.lm_head(hidden).float()

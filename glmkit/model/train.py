@@ -1,7 +1,9 @@
 """Train path: full-sequence forward over packed variable-length sequences, per-token log-probs.
 
-KDA runs chunked, DSA un-absorbed over gathered keys, MoE grouped per expert; autograd end to end
-(the indexer's selection is discrete and runs without gradient, as in the reference).
+KDA runs chunked, DSA over the indexer's selection, MoE grouped per expert, each through the kernel
+backend the run chose (`Backends`); autograd end to end (the indexer's selection is discrete and runs
+without gradient, as in the reference). `recompute=True` recomputes each block in the backward
+(the recipe's full uniform recompute), so long sequences fit.
 """
 
 from __future__ import annotations
@@ -9,8 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
-from glmkit.kernels.kda import get_backend
+from glmkit.kernels.backends import Backends
 from glmkit.model.block import Run
 from glmkit.model.model import Glm5Model
 from glmkit.model.packed import Packed, pack
@@ -54,9 +57,16 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
 
 
 class TrainPath:
-    def __init__(self, model: Glm5Model, kda_backend: str = "torch"):
+    def __init__(self, model: Glm5Model, backends: Backends | str | None = None, recompute: bool = False):
         self.model = model
-        self.kda = get_backend(kda_backend)
+        self.backends = Backends.parse(backends)
+        self.backends.kda_ops(), self.backends.dsa_ops()  # an unavailable backend fails here, named
+        self.recompute = recompute
+
+    def _head(self, rows, targets, temperature, want_entropy):
+        logits = self.model.lm_head(rows)
+        entropy = token_entropy(logits, temperature) if want_entropy else None
+        return token_logprobs(logits, targets, temperature), entropy
 
     def forward(self, sequences=None, *, input_ids=None, packed=None, targets=None, temperature=1.0,
                 return_logits=False, return_entropy=False, routing=None, record=None) -> TrainOutput:
@@ -75,16 +85,27 @@ class TrainPath:
             if record is not None:
                 record(layer, site, value)
 
-        run = Run(kda=self.kda, packed=packed, record=observe, routing=dict(routing or {}))
+        run = Run(self.backends, packed=packed, record=observe, routing=dict(routing or {}),
+                  recompute=self.recompute)
         hidden = self.model.hidden(input_ids, run)
         logprobs, logits, entropy = [], [], []
         for r0 in range(0, hidden.shape[0], _LOGIT_ROWS):
-            chunk = self.model.lm_head(hidden[r0:r0 + _LOGIT_ROWS])
-            logprobs.append(token_logprobs(chunk, targets[r0:r0 + _LOGIT_ROWS], temperature))
+            rows, chunk_targets = hidden[r0:r0 + _LOGIT_ROWS], targets[r0:r0 + _LOGIT_ROWS]
             if return_logits:
+                chunk = self.model.lm_head(rows)
                 logits.append(chunk)
+                logprobs.append(token_logprobs(chunk, chunk_targets, temperature))
+                if return_entropy:
+                    entropy.append(token_entropy(chunk, temperature))
+                continue
+            # under autograd the [rows, vocab] logits and their fp32 log-softmax would stay alive for
+            # the backward (~4 GB per 4096 rows at vocab 154880); recomputing them there keeps one chunk
+            head = self._head if not torch.is_grad_enabled() else \
+                lambda *a: checkpoint(self._head, *a, use_reentrant=False)
+            lp, ent = head(rows, chunk_targets, temperature, return_entropy)
+            logprobs.append(lp)
             if return_entropy:
-                entropy.append(token_entropy(chunk, temperature))
+                entropy.append(ent)
         if record is not None:
             if return_logits:
                 record(None, "logits", torch.cat(logits))

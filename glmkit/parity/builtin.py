@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from glmkit.kernels.backends import Backends
 from glmkit.parity.capture import capture_reference, capture_rollout, capture_train
 from glmkit.parity.compare import ParityResult, compare
 from glmkit.parity.dump import Capture, load_capture
@@ -26,7 +27,7 @@ def make_inputs(vocab_size: int, batch: int, seq_len: int, seed: int = 0):
 
 
 def capture_path(path: str, checkpoint, sequences, prompt_lengths, dtype=torch.float32, device="cpu",
-                 kda_backend="torch", streaming_partner=None) -> Capture:
+                 backends=None, streaming_partner=None) -> Capture:
     """One path's capture: a live path name run on `checkpoint`, or a dump directory."""
     from glmkit.model import load_model
     from glmkit.reference import load_reference
@@ -35,16 +36,16 @@ def capture_path(path: str, checkpoint, sequences, prompt_lengths, dtype=torch.f
     if path == "reference":
         return capture_reference(load_reference(checkpoint, dtype, device), sequences, **meta)
     if path == "train":
-        return capture_train(load_model(checkpoint, dtype, device), sequences, kda_backend, **meta)
+        return capture_train(load_model(checkpoint, dtype, device), sequences, backends, **meta)
     if path == "rollout":
-        return capture_rollout(load_model(checkpoint, dtype, device), sequences, prompt_lengths, kda_backend, **meta)
+        return capture_rollout(load_model(checkpoint, dtype, device), sequences, prompt_lengths, backends, **meta)
     if Path(path).is_dir():
         return load_capture(path)
     raise ValueError(f"unknown path {path!r}; allowed: {', '.join(LIVE_PATHS)} or a capture directory")
 
 
 def parity(checkpoint, paths=("reference", "train"), checkpoint_b=None, seq_len: int = 64, batch: int = 2,
-           dtype: str = "float32", device: str = "cpu", kda_backend: str = "torch", streaming: bool = False,
+           dtype: str = "float32", device: str = "cpu", backends: Backends | str | None = None, streaming: bool = False,
            thresholds: dict | None = None, seed: int = 0, vocab_size: int | None = None):
     """Capture two paths on the same seeded input and compare them.
     -> (ParityResult, capture_a, capture_b). A dump directory as a path fixes the input to the dump's."""
@@ -66,41 +67,40 @@ def parity(checkpoint, paths=("reference", "train"), checkpoint_b=None, seq_len:
         if sorted(paths) != ["reference", "train"] or checkpoint_b is not None:
             raise ValueError("--streaming compares paths reference,train on one checkpoint (layer by layer, "
                              "each glmkit layer fed the reference's input)")
-        cap_ref, cap_train = stream_parity(checkpoint, sequences, torch_dtype, device, kda_backend)
+        cap_ref, cap_train = stream_parity(checkpoint, sequences, torch_dtype, device, backends)
         caps = {"reference": cap_ref, "train": cap_train}
         cap_a, cap_b = caps[a], caps[b]
     else:
-        cap_a = capture_path(a, checkpoint, sequences, prompts, torch_dtype, device, kda_backend)
-        cap_b = capture_path(b, checkpoint_b or checkpoint, sequences, prompts, torch_dtype, device, kda_backend)
+        cap_a = capture_path(a, checkpoint, sequences, prompts, torch_dtype, device, backends)
+        cap_b = capture_path(b, checkpoint_b or checkpoint, sequences, prompts, torch_dtype, device, backends)
     result = compare(cap_a, cap_b, dtype, thresholds, response_starts=prompts)
     return result, cap_a, cap_b
 
 
-def fp32_vs_bf16(checkpoint, seq_len=64, batch=2, device="cpu", kda_backend="torch", seed=0) -> ParityResult:
+def fp32_vs_bf16(checkpoint, seq_len=64, batch=2, device="cpu", backends=None, seed=0) -> ParityResult:
     """The train path in fp32 against itself in bf16 (bf16 thresholds)."""
     from glmkit.checkpoint import open_checkpoint
     from glmkit.model import load_model
 
     sequences, prompts = make_inputs(open_checkpoint(checkpoint).config.vocab_size, batch, seq_len, seed)
-    full = capture_train(load_model(checkpoint, torch.float32, device), sequences, kda_backend)
-    half = capture_train(load_model(checkpoint, torch.bfloat16, device), sequences, kda_backend)
+    full = capture_train(load_model(checkpoint, torch.float32, device), sequences, backends)
+    half = capture_train(load_model(checkpoint, torch.bfloat16, device), sequences, backends)
     full.manifest["path"], half.manifest["path"] = "train fp32", "train bf16"
     return compare(full, half, "bfloat16", response_starts=prompts)
 
 
 @torch.no_grad()
-def kda_error_vs_position(model, sequence, kda_backend: str = "torch") -> dict[int, list[float]]:
+def kda_error_vs_position(model, sequence, backends: Backends | str | None = None) -> dict[int, list[float]]:
     """Per KDA layer, fed the train path's own input to that layer: relative error per position of the
     chunked form (train / prefill) against the token-by-token recurrent form (decode)."""
-    from glmkit.kernels.kda import get_backend
     from glmkit.model.packed import Packed
 
     inputs = {}
     capture_train_inputs = lambda layer, site, v: inputs.__setitem__(layer, v) if site == "attn_in" else None  # noqa: E731
     from glmkit.model import TrainPath
 
-    TrainPath(model, kda_backend).forward([sequence], record=capture_train_inputs)
-    kda, packed = get_backend(kda_backend), Packed.from_lengths([len(sequence)], device=model.device)
+    TrainPath(model, backends).forward([sequence], record=capture_train_inputs)
+    kda, packed = Backends.parse(backends).kda_ops(), Packed.from_lengths([len(sequence)], device=model.device)
     curves = {}
     for block in model.layers:
         if block.kind != "kda":

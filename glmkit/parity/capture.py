@@ -16,6 +16,7 @@ import re
 
 import torch
 
+from glmkit.kernels.backends import Backends
 from glmkit.model.packed import Packed, pack
 from glmkit.model.train import next_token_targets, token_logprobs
 from glmkit.parity.dump import Capture
@@ -70,7 +71,7 @@ def _local(topk: torch.Tensor, packed: Packed) -> torch.Tensor:
 
 
 @torch.no_grad()
-def capture_train(model, sequences, kda_backend: str = "torch", keep_logits: bool = False, **manifest) -> Capture:
+def capture_train(model, sequences, backends: Backends | str | None = None, keep_logits: bool = False, **manifest) -> Capture:
     from glmkit.model import TrainPath
 
     input_ids, packed = pack(sequences, device=model.device)
@@ -85,13 +86,13 @@ def capture_train(model, sequences, kda_backend: str = "torch", keep_logits: boo
             value = _local(value, packed)
         sink.put(layer, site, value)
 
-    TrainPath(model, kda_backend).forward(input_ids=input_ids, packed=packed, record=record,
+    TrainPath(model, backends).forward(input_ids=input_ids, packed=packed, record=record,
                                           return_logits=keep_logits)
     return capture
 
 
 @torch.no_grad()
-def capture_rollout(model, sequences, prompt_lengths, kda_backend: str = "torch", **manifest) -> Capture:
+def capture_rollout(model, sequences, prompt_lengths, backends: Backends | str | None = None, **manifest) -> Capture:
     """Prefill sequence[:p] for each prompt length p, then decode the remaining tokens one per step."""
     from glmkit.model import RolloutEngine
 
@@ -105,7 +106,7 @@ def capture_rollout(model, sequences, prompt_lengths, kda_backend: str = "torch"
                       manifest=_manifest("rollout", model.config, model.dtype, model.device,
                                          prompt_lengths=list(prompt_lengths), **manifest))
     sink = _Collector(capture, packed.num_tokens)
-    engine = RolloutEngine(model, kda_backend)
+    engine = RolloutEngine(model, backends)
     starts = packed.cu_seqlens[:-1]
     prompt_rows = torch.cat([torch.arange(s, s + p) for s, p in zip(starts.tolist(), prompt_lengths)])
     prompt_packed = Packed.from_lengths(prompt_lengths, device=model.device)

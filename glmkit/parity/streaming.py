@@ -12,6 +12,7 @@ from tqdm import tqdm
 
 from glmkit.checkpoint import open_checkpoint
 from glmkit.checkpoint.names import EMBED, FINAL_NORM, LM_HEAD
+from glmkit.kernels.backends import Backends
 from glmkit.model.packed import pack
 from glmkit.model.train import next_token_targets, token_logprobs
 from glmkit.parity.capture import _Collector, _local, _manifest, hook_reference_layer
@@ -70,10 +71,9 @@ def _glmkit_block(config, i, tensors, dtype, device):
 
 
 @torch.no_grad()
-def stream_parity(checkpoint, sequences, dtype=torch.float32, device="cpu", kda_backend="torch",
+def stream_parity(checkpoint, sequences, dtype=torch.float32, device="cpu", backends=None,
                   progress: bool = True) -> tuple[Capture, Capture]:
     """-> (reference capture, train capture), both marked mode "streaming"."""
-    from glmkit.kernels.kda import get_backend
     from glmkit.model.block import Run
 
     ckpt = open_checkpoint(checkpoint)
@@ -89,7 +89,7 @@ def stream_parity(checkpoint, sequences, dtype=torch.float32, device="cpu", kda_
     embed = ckpt.get(EMBED, dtype=dtype, device=device)
     streams = embed[input_ids].unsqueeze(-2).expand(-1, config.hc_mult, -1).contiguous()
     del embed
-    kda = get_backend(kda_backend)
+    backends = Backends.parse(backends)
     ref_topk, our_topk = [None] * packed.num_sequences, None
     for i in tqdm(range(config.num_hidden_layers), desc="streaming parity", unit="layer", disable=not progress):
         tensors = ckpt.layer(i, device=device)
@@ -113,7 +113,7 @@ def stream_parity(checkpoint, sequences, dtype=torch.float32, device="cpu", kda_
             for h in hooks:
                 h.remove()
         # glmkit's block on the same input streams
-        run = Run(kda=kda, packed=packed, topk=our_topk,
+        run = Run(backends, packed=packed, topk=our_topk,
                   record=lambda layer, site, v: ours_sink.put(layer, site, _local(v, packed) if site == "indexer_topk" else v))
         block(streams, run)
         our_topk = run.topk

@@ -70,7 +70,7 @@ class TrainConfig:
     exclude_modules: str = DEFAULT_EXCLUDE
     device: str = "cpu"
     dtype: str = "float32"
-    kda_backend: str = "torch"
+    backends: str = ""  # Backends spec, e.g. "kda=fla,dsa=absorbed"; empty = the defaults
     seed: int = 0
     metrics_out: str = "reports/train/metrics.jsonl"
     save: str | None = None
@@ -173,8 +173,8 @@ class GRPOTrainer:
         # The rollout engine's own copy, synced after every update. With LoRA only the adapters are
         # copied: the frozen base is shared, as SGLang keeps its base in place and loads adapters.
         self.engine_model = self._copy_trainable(self.policy)
-        self.engine = RolloutEngine(self.engine_model, cfg.kda_backend)
-        self.train_path = TrainPath(self.policy, cfg.kda_backend)
+        self.engine = RolloutEngine(self.engine_model, cfg.backends)
+        self.train_path = TrainPath(self.policy, cfg.backends)
         self.reference = self._copy_trainable(self.policy).eval() if cfg.kl_loss_coef else None
         self.trainable = [p for p in self.policy.parameters() if p.requires_grad]
         self.optimizer = torch.optim.Adam(self.trainable, lr=cfg.lr)
@@ -198,7 +198,7 @@ class GRPOTrainer:
             loaded = load_file(str(folder / "adapter.safetensors"))
         else:
             loaded = open_checkpoint(folder / "model").state_dict()
-        tensors = dict(self.policy.named_parameters()) | dict(self.policy.named_buffers())
+        tensors = self.policy.state_dict()  # checkpoint names; per-expert entries view the stacked experts
         with torch.no_grad():
             for name, value in loaded.items():
                 tensors[name].copy_(value)
@@ -272,7 +272,7 @@ class GRPOTrainer:
             old = self.train_path.forward(input_ids=input_ids, packed=packed, routing=replay)
             old_logp = old.logprobs.float().cpu()
             ref_logp = (None if self.reference is None else
-                        type(self.train_path)(self.reference, cfg.kda_backend)
+                        type(self.train_path)(self.reference, cfg.backends)
                         .forward(input_ids=input_ids, packed=packed, routing=replay).logprobs.float().cpu())
         metrics = {"step": step}
         metrics["train/train_rollout_logprob_abs_diff"] = grpo.sample_mean(

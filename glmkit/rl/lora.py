@@ -62,12 +62,21 @@ def aliases(name: str) -> list[str]:
     return out
 
 
-def candidates(model, targets: list[str]) -> dict[str, nn.Linear]:
-    """Projections named by the targets: "attn", "mlp", or a projection's leaf name."""
-    found = {}
+def candidates(model, targets: list[str]) -> dict[str, nn.Module]:
+    """Projections named by the targets: "attn", "mlp", or a projection's leaf name. The routed experts
+    are stacked (no Linear per expert), so each of them counts as its checkpoint projections
+    `{experts}.{e}.gate_proj` ... (mapped to the GroupedExperts module): selected like any MLP projection,
+    they then fail validation as frozen and are never wrapped."""
+    from glmkit.model.moe import GroupedExperts
+
+    projections = []
     for name, module in model.named_modules():
-        if not isinstance(module, nn.Linear) or name == "lm_head":
-            continue
+        if isinstance(module, GroupedExperts):
+            projections += [(f"{name}.{e}.{proj}", module) for e in range(module.num_experts) for proj in MLP_PROJ]
+        elif isinstance(module, nn.Linear) and name != "lm_head":
+            projections.append((name, module))
+    found = {}
+    for name, module in projections:
         parts = name.split(".")
         leaf, in_attn = parts[-1], ".self_attn." in f".{name}."
         in_indexer, in_mlp = ".indexer." in name, ".mlp." in f".{name}."

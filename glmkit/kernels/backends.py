@@ -1,0 +1,74 @@
+"""Which kernel runs each operator, chosen once per run and passed around as one value.
+
+    Backends()                                   torch KDA, absorbed DSA, MoE picked by device
+    Backends.parse("kda=fla,dsa=absorbed")       the CLI's and notebooks' spelling
+    Backends.parse("fla")                        a bare name is the KDA backend (the older spelling)
+
+Every operator has a pure-torch reference (`kernels/<op>/naive.py`) beside its fast forms; an
+unknown name fails with the allowed values, an unavailable one with the package to install.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+KDA_BACKENDS = ("torch", "fla")
+DSA_BACKENDS = ("naive", "absorbed")
+MOE_BACKENDS = ("auto", "loop", "grouped")
+ALLOWED = {"kda": KDA_BACKENDS, "dsa": DSA_BACKENDS, "moe": MOE_BACKENDS}
+
+
+@dataclass(frozen=True)
+class Backends:
+    """kda: "torch" (reference, CPU and GPU) or "fla" (Triton, CUDA).
+    dsa: "naive" (un-absorbed gather, the reference) or "absorbed" (MQA over the shared latent).
+    moe: "loop" (per-expert, the reference), "grouped" (`torch._grouped_mm`, CUDA bf16) or "auto"."""
+
+    kda: str = "torch"
+    dsa: str = "absorbed"
+    moe: str = "auto"
+
+    def __post_init__(self):
+        for op, allowed in ALLOWED.items():
+            value = getattr(self, op)
+            if value not in allowed:
+                raise ValueError(f"unknown {op.upper()} backend {value!r}; allowed: {', '.join(allowed)}")
+
+    @classmethod
+    def parse(cls, spec: "str | Backends | None") -> "Backends":
+        """None -> defaults; a Backends -> itself; "kda=fla,dsa=naive" -> those; "fla" -> kda=fla."""
+        if spec is None:
+            return cls()
+        if isinstance(spec, Backends):
+            return spec
+        if not isinstance(spec, str):
+            raise TypeError(f"backends must be a Backends, a spec string or None, got {type(spec).__name__}")
+        chosen = {}
+        for item in (part.strip() for part in spec.split(",")):
+            if not item:
+                continue
+            op, sep, value = item.partition("=")
+            if not sep:  # a bare name: the KDA backend, as --kda-backend always meant
+                op, value = "kda", op
+            op, value = op.strip(), value.strip()
+            if op not in ALLOWED:
+                raise ValueError(f"unknown operator {op!r} in backends {spec!r}; allowed: {', '.join(ALLOWED)}")
+            chosen[op] = value
+        return cls(**chosen)
+
+    def with_(self, **changes) -> "Backends":
+        """A copy with some operators changed; None values leave that operator as it is."""
+        return replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+    def __str__(self) -> str:
+        return ",".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self))
+
+    def kda_ops(self):
+        from glmkit.kernels.kda import get_backend
+
+        return get_backend(self.kda)
+
+    def dsa_ops(self):
+        from glmkit.kernels.dsa import get_backend
+
+        return get_backend(self.dsa)

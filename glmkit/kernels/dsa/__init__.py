@@ -1,0 +1,28 @@
+"""Sparse MLA (NoPE) behind one interface. `get_backend(name)` returns a module with
+
+    attend(q, latent, kv_b_weight, idx, bounds, scale) -> [T, H, dv]
+
+q [T, H, dk] packed queries; latent [T, R] the normalised kv latents of the same tokens;
+kv_b_weight [H * (dk + dv), R] (kv_b_proj.weight: per head the key rows, then the value rows);
+idx [T, W] selected key ids as packed (global) token indices, -1 = empty; bounds the host-side
+(start, end) of every packed sequence (a row only ever selects keys of its own sequence);
+scale the softmax scale (dk^-0.5 for GLM-5.3-Flash, passed explicitly).
+
+- "naive":    keys and values expanded per head, gathered per query block; the reference.
+- "absorbed": kv_b folded into the query and the output, MQA over the R-dim latent that all heads
+              share; dense over a block's causal span when that is cheaper than gathering.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from glmkit.kernels.backends import DSA_BACKENDS
+
+BACKENDS = DSA_BACKENDS
+
+
+def get_backend(name: str):
+    if name not in BACKENDS:
+        raise ValueError(f"unknown DSA backend {name!r}; allowed: {', '.join(BACKENDS)}")
+    return importlib.import_module(f"glmkit.kernels.dsa.{name}")

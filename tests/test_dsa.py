@@ -1,0 +1,181 @@
+"""DSA kernels against their reference, the indexer's selection, the backend seam and block recompute."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from tests.conftest import CONFIGS, reference_checkpoint
+from glmkit.config import variant_config
+from glmkit.kernels.backends import Backends
+from glmkit.kernels.dsa import BACKENDS, absorbed, get_backend, naive
+from glmkit.model import TrainPath, load_model
+from glmkit.model.dsa import SparseMLA
+from glmkit.model.indexer import LightningIndexer, topk_lowest_index_first
+from glmkit.model.packed import Packed
+
+
+def randomize(module, std=0.3, seed=0):
+    torch.manual_seed(seed)
+    for p in module.parameters():
+        torch.nn.init.normal_(p, std=std)
+    return module
+
+
+def run_layer(layer, x, packed, backend):
+    """Output and every parameter's gradient under a fixed, non-uniform output weighting."""
+    layer.zero_grad(set_to_none=True)
+    out, topk = layer.forward_packed(x, packed, get_backend(backend))
+    (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+    return out.detach(), topk, {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
+
+
+def rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+# The block plans the absorbed kernel can take: its own choice, all dense, all gathered, and budgets
+# small enough that blocks split every sequence (one row per block for the gather form).
+PLANS = {
+    "auto": {},
+    "dense": dict(DENSE_SPAN_FACTOR=10**6),
+    "gather": dict(DENSE_SPAN_FACTOR=0),
+    "small-dense-blocks": dict(DENSE_SPAN_FACTOR=10**6, SCORE_BUDGET=300),
+    "one-row-gather": dict(DENSE_SPAN_FACTOR=0, GATHER_BUDGET=1),
+}
+
+
+@pytest.mark.parametrize("plan", sorted(PLANS))
+@pytest.mark.parametrize("config_name", ["tiny", "kpool8"])
+def test_absorbed_matches_naive_forward_and_gradients(monkeypatch, plan, config_name):
+    """Folding kv_b into the query and output is exact algebra and both block forms are exact: fp32
+    agreement of the output and of every gradient to 1e-5 relative (only summation orders differ)."""
+    layer = randomize(SparseMLA(variant_config("tiny", **CONFIGS[config_name]), shared_indexer=False))
+    x = torch.randn(90, 64)
+    packed = Packed.from_lengths([50, 3, 37])  # long enough that the indexer drops keys
+    want, topk_n, grads_n = run_layer(layer, x, packed, "naive")
+    for name, value in PLANS[plan].items():
+        monkeypatch.setattr(absorbed, name, value)
+    got, topk_a, grads_a = run_layer(layer, x, packed, "absorbed")
+    assert torch.equal(topk_n, topk_a)
+    assert rel(got, want) < 1e-5
+    assert grads_n.keys() == grads_a.keys() and "kv_b_proj.weight" in grads_n and "q_b_proj.weight" in grads_n
+    for name, g in grads_n.items():
+        assert rel(grads_a[name], g) < 1e-5, name
+
+
+def test_sparse_mqa_gradcheck_in_double():
+    """The hand-written backward against finite differences, in float64, both block forms."""
+    torch.manual_seed(0)
+    T, H, R, W = 12, 2, 5, 4
+    bounds = [(0, 7), (7, 12)]
+    idx = torch.full((T, W), -1)
+    for s0, s1 in bounds:
+        for t in range(s0, s1):
+            ids = torch.randperm(t - s0 + 1)[:W - 1] + s0
+            idx[t, :len(ids)] = ids
+    q = torch.randn(T, H, R, dtype=torch.float64, requires_grad=True)
+    lat = torch.randn(T, R, dtype=torch.float64, requires_grad=True)
+    for factor in (0, 10**6):
+        absorbed.DENSE_SPAN_FACTOR, saved = factor, absorbed.DENSE_SPAN_FACTOR
+        try:
+            assert torch.autograd.gradcheck(lambda a, b: absorbed.SparseMQA.apply(a, b, idx, bounds, 0.7), (q, lat))
+        finally:
+            absorbed.DENSE_SPAN_FACTOR = saved
+
+
+def test_selection_is_inside_each_sequence_and_causal():
+    layer = randomize(SparseMLA(variant_config("tiny"), shared_indexer=False))
+    packed = Packed.from_lengths([40, 30])
+    with torch.no_grad():
+        _, topk = layer.forward_packed(torch.randn(70, 64), packed, get_backend("absorbed"))
+    pos, valid = packed.positions, topk >= 0
+    assert (packed.seq_index[topk.clamp(min=0)] == packed.seq_index[:, None])[valid].all()
+    assert (topk <= torch.arange(70)[:, None])[valid].all()
+    width = valid.sum(-1)  # every query sees min(visible, topk + tail) keys
+    assert (width <= pos + 1).all() and (width[pos + 1 > 12] < (pos + 1)[pos + 1 > 12]).all()
+
+
+def test_indexer_selection_does_not_depend_on_the_block_size(monkeypatch):
+    """Scoring goes in query blocks against the pools visible to the block; a one-row block must
+    select exactly what one large block selects."""
+    from glmkit.model import indexer as indexer_module
+
+    config = variant_config("tiny", index_kpool=2, index_topk=6)
+    ind = randomize(LightningIndexer(config))
+    x, q_resid = torch.randn(64, 64), torch.randn(64, config.q_lora_rank)
+    packed = Packed.from_lengths([41, 23])
+    want = ind.select_packed(x, q_resid, packed)
+    monkeypatch.setattr(indexer_module, "_SCORE_BUDGET", 1)
+    assert torch.equal(ind.select_packed(x, q_resid, packed), want)
+
+
+def test_topk_breaks_ties_by_lower_index_like_a_stable_sort():
+    g = torch.Generator().manual_seed(0)
+    scores = torch.randint(-3, 4, (200, 37), generator=g).float() * 0.5  # many exact ties, negatives
+    scores[:, 5] = -0.0  # -0.0 equals 0.0 and must tie with it
+    scores[::3, ::4] = float("-inf")
+    want = scores.sort(dim=-1, descending=True, stable=True).indices[:, :11]
+    assert torch.equal(topk_lowest_index_first(scores, 11), want)
+
+
+def test_compact_selection_keeps_each_rows_ids_in_order():
+    idx = torch.tensor([[5, -1, 3, -1, -1, 7], [-1, -1, 2, -1, -1, -1], [0, 1, -1, -1, 4, -1]])
+    assert naive.compact_selection(idx).tolist() == [[5, 3, 7], [2, -1, -1], [0, 1, 4]]
+
+
+def test_naive_recomputes_each_block_in_the_backward(monkeypatch):
+    """The reference runs each query block under activation checkpointing (gathered keys and values
+    rebuilt in the backward). One row per block, checkpointed, gives plain autograd's output and
+    gradients: fp32 agreement to 1e-6 relative (only the block boundaries change matmul shapes)."""
+    layer = randomize(SparseMLA(variant_config("tiny"), shared_indexer=False))
+    x, packed, calls = torch.randn(70, 64), Packed.from_lengths([40, 30]), []
+    with monkeypatch.context() as m:
+        m.setattr(naive, "checkpoint", lambda fn, *args, **kwargs: fn(*args))  # plain autograd
+        plain, _, grads = run_layer(layer, x, packed, "naive")
+    monkeypatch.setattr(naive, "GATHER_BUDGET", 1)
+    monkeypatch.setattr(naive, "checkpoint", lambda *a, **k: calls.append(1) or checkpoint(*a, **k))
+    blocks, _, block_grads = run_layer(layer, x, packed, "naive")
+    assert len(calls) == 70
+    assert rel(blocks, plain) < 1e-6
+    for name, g in grads.items():
+        assert rel(block_grads[name], g) < 1e-6, name
+
+
+def test_backends_parse_and_errors():
+    assert Backends.parse(None) == Backends()
+    assert Backends.parse("fla") == Backends(kda="fla")
+    assert Backends.parse("kda=fla, dsa=naive,moe=loop") == Backends("fla", "naive", "loop")
+    assert Backends.parse(str(Backends("fla", "naive", "grouped"))) == Backends("fla", "naive", "grouped")
+    with pytest.raises(ValueError, match="unknown DSA backend 'flash'; allowed: naive, absorbed"):
+        Backends(dsa="flash")
+    with pytest.raises(ValueError, match="unknown operator 'attn'.*allowed: kda, dsa, moe"):
+        Backends.parse("attn=fla")
+    with pytest.raises(ValueError, match="unknown MOE backend"):
+        Backends.parse("moe=fast")
+    assert set(BACKENDS) == {"naive", "absorbed"}
+
+
+@pytest.mark.parametrize("config_name", ["tiny", "shared-kpool2"])
+def test_block_recompute_gives_the_same_logprobs_and_gradients(request, tmp_path, config_name):
+    """Per-block activation checkpointing (the recipe's full recompute) changes memory, not math:
+    the same log-probs and gradients to 1e-6 relative in fp32, shared-indexer layers included (the
+    recomputed block must see the same top-k as the first run)."""
+
+
+    path = reference_checkpoint(variant_config("tiny", **CONFIGS[config_name]), seed=3, path=tmp_path / "ck")
+    seqs = [list(range(3, 60)), list(range(100, 131))]
+    results = []
+    for recompute in (False, True):
+        model = load_model(path)
+        out = TrainPath(model, recompute=recompute).forward(seqs)
+        out.logprobs.sum().backward()
+        results.append((out.logprobs.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None},
+                        {k: v.clone() for k, v in out.routing.items()}))
+    (lp0, g0, r0), (lp1, g1, r1) = results
+    assert rel(lp1, lp0) < 1e-6
+    assert g0.keys() == g1.keys()
+    for name, g in g0.items():
+        assert rel(g1[name], g) < 1e-6 if g.norm() > 0 else g1[name].norm() == 0, name
+    assert r0.keys() == r1.keys() and all(torch.equal(r0[k], r1[k]) for k in r0)
