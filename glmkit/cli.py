@@ -58,19 +58,24 @@ def cmd_check(args) -> int:
 
 def _parity_table(result) -> str:
     """One line per layer: its worst value site, index-site agreement, and whether it diverged."""
-    lines = [f"{'layer':>5}  {'worst site':24s} {'rel RMS':>9}  {'max |diff|':>10}  {'top-k same':>10}  "
-             f"{'experts same':>12}  status"]
+    lines = [f"{'layer':>5}  {'worst site':24s} {'rel RMS':>9}  {'max |diff|':>10}  "
+             f"{'top-k same / tied / diff':>26}  {'experts same / tied / diff':>28}  status"]
     layers = sorted({s.layer for s in result.sites}, key=lambda x: float("inf") if x is None else x)
     for layer in layers:
         sites = [s for s in result.sites if s.layer == layer]
         values = [s for s in sites if s.kind == "values"]
         worst = max(values, key=lambda s: s.rel_rms) if values else None
-        index = {s.site: s.identical for s in sites if s.kind == "indices"}
-        fmt = lambda v: "" if v is None else f"{v:.1%}"  # noqa: E731
+        index = {s.site: s for s in sites if s.kind == "indices"}
+
+        def kinds(site):
+            s = index.get(site)
+            return "" if s is None else f"{s.identical:.1%} / {s.tied:.1%} / {s.different:.1%}"
+
+        status = "DIVERGED" if any(s.diverged for s in sites) else \
+            ("ok (ties)" if any(s.tied for s in index.values()) else "ok")
         lines.append(f"{'final' if layer is None else layer:>5}  {worst.site if worst else '':24s} "
                      f"{worst.rel_rms if worst else 0:9.2e}  {worst.max_abs if worst else 0:10.2e}  "
-                     f"{fmt(index.get('indexer_topk')):>10}  {fmt(index.get('router_experts')):>12}  "
-                     f"{'DIVERGED' if any(s.diverged for s in sites) else 'ok'}")
+                     f"{kinds('indexer_topk'):>26}  {kinds('router_experts'):>28}  {status}")
     return "\n".join(lines)
 
 
@@ -93,11 +98,22 @@ def cmd_parity(args) -> int:
     paths = [p.strip() for p in args.paths.split(",") if p.strip()]
     if len(paths) != 2:
         raise ValueError(f"--paths takes two paths separated by a comma, got {args.paths!r}")
+    replay_from = None
+    if args.replay_topk_from:
+        from glmkit.checkpoint import open_checkpoint
+        from glmkit.parity.dump import read_selections
+
+        replay_from = read_selections(args.replay_topk_from, open_checkpoint(args.checkpoint).config)
     result, cap_a, cap_b = parity(args.checkpoint, paths, args.checkpoint_b, args.seq_len, args.batch, args.dtype,
                                   args.device, _backends(args), args.streaming, _thresholds(args.threshold),
-                                  args.seed)
+                                  args.seed, replay_topk=args.replay_topk, replay_from=replay_from,
+                                  replay_from_name=args.replay_topk_from)
     print(f"{result.path_a} vs {result.path_b} ({result.mode}, {result.dtype}; thresholds {result.thresholds})")
+    if result.topk_replay:
+        print(f"top-k replay: {result.topk_replay}")
     print(_parity_table(result))
+    for warning in result.warnings:
+        print(f"warning: {warning}")
     if result.logprob is not None:
         print(f"logprob abs diff (train/train_rollout_logprob_abs_diff definition): {result.logprob.value:.3e}")
     first = result.first_divergence
@@ -250,6 +266,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--paths", default="reference,train",
                    help="two of reference, train, rollout, or a capture directory, comma-separated")
     run_arguments(p)
+    p.add_argument("--replay-topk", default="auto", choices=["auto", "on", "off"],
+                   help="path B uses path A's DSA selections (auto: when A is the reference or a capture and "
+                        "rows differed only by ties)")
+    p.add_argument("--replay-topk-from", metavar="FILE",
+                   help="replay these per-token DSA selections into both paths: .safetensors (key indexer_topk) "
+                        "or .npy, int32 [tokens, DSA layers, k], sequence-local positions, -1 empty")
     p.add_argument("--streaming", action="store_true",
                    help="layer by layer from the files, each layer fed the reference's input (reference,train)")
     p.add_argument("--threshold", action="append", metavar="NAME=VALUE",

@@ -26,7 +26,7 @@ def randomize(module, std=0.3, seed=0):
 def run_layer(layer, x, packed, backend):
     """Output and every parameter's gradient under a fixed, non-uniform output weighting."""
     layer.zero_grad(set_to_none=True)
-    out, topk = layer.forward_packed(x, packed, get_backend(backend))
+    out, topk, _ = layer.forward_packed(x, packed, get_backend(backend))
     (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
     return out.detach(), topk, {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
 
@@ -89,7 +89,7 @@ def test_selection_is_inside_each_sequence_and_causal():
     layer = randomize(SparseMLA(variant_config("tiny"), shared_indexer=False))
     packed = Packed.from_lengths([40, 30])
     with torch.no_grad():
-        _, topk = layer.forward_packed(torch.randn(70, 64), packed, get_backend("absorbed"))
+        _, topk, _ = layer.forward_packed(torch.randn(70, 64), packed, get_backend("absorbed"))
     pos, valid = packed.positions, topk >= 0
     assert (packed.seq_index[topk.clamp(min=0)] == packed.seq_index[:, None])[valid].all()
     assert (topk <= torch.arange(70)[:, None])[valid].all()

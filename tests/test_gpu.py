@@ -127,7 +127,7 @@ def test_absorbed_sparse_mla_bf16_is_as_close_to_fp32_as_the_reference(plan, mon
     results = {}
     for dsa, dtype in (("naive", torch.float32), ("naive", torch.bfloat16), ("absorbed", torch.bfloat16)):
         layer.to(dtype).zero_grad(set_to_none=True)
-        out, _ = layer.forward_packed(x.to(dtype), packed, get_backend(dsa))
+        out, _, _ = layer.forward_packed(x.to(dtype), packed, get_backend(dsa))
         (out.float() * torch.linspace(-1, 1, out.numel(), device="cuda").view_as(out)).sum().backward()
         results[dsa, dtype] = [out.float()] + [dict(layer.named_parameters())[n].grad.float() for n in names]
     want = results["naive", torch.float32]

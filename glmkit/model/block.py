@@ -31,8 +31,12 @@ class Run:
     states: list | None = None
     record: Callable | None = None
     topk: torch.Tensor | None = None
+    own_topk: torch.Tensor | None = None
+    own_scores: torch.Tensor | None = None
     routing: dict = field(default_factory=dict)
     recompute: bool = False
+    topk_replay: dict = field(default_factory=dict)   # {DSA layer: ids [rows, W] as this run addresses keys}
+    record_scores: bool = False                        # also emit indexer_scores / router_scores
 
     def __post_init__(self):
         self.backends = Backends.parse(self.backends)
@@ -83,12 +87,19 @@ class DecoderBlock(nn.Module):
             else:
                 out = self.self_attn.forward_step(x, state, run.kda)
         else:
+            on_scores = (lambda s: setattr(run, "own_scores", s)) if run.record_scores else None
+            replay = run.topk_replay.get(L)
             if run.packed is not None:
-                out, topk = self.self_attn.forward_packed(x, run.packed, run.dsa, run.topk, state)
+                out, used, own = self.self_attn.forward_packed(x, run.packed, run.dsa, run.topk, state, replay,
+                                                               on_scores)
             else:
-                out, topk = self.self_attn.forward_step(x, run.lengths, state, run.topk)
-            run.topk = topk
-            run.emit(L, "indexer_topk", topk)
+                out, used, own = self.self_attn.forward_step(x, run.lengths, state, run.topk, replay, on_scores)
+            # the site reports this path's own choice (a shared indexer's is the layer's before it),
+            # so a replayed run still shows where its indexer would have differed
+            run.topk, run.own_topk = used, own if own is not None else run.own_topk
+            if run.record_scores:  # a shared indexer's scores are those of the layer it shares
+                run.emit(L, "indexer_scores", run.own_scores)
+            run.emit(L, "indexer_topk", run.own_topk)
         run.emit(L, "attn_out", out)
         streams = mhc.expand(out, streams, post, comb)
         run.emit(L, "streams_after_attn", streams)
@@ -99,6 +110,8 @@ class DecoderBlock(nn.Module):
         run.emit(L, "mlp_in", x)
         if self.is_moe:
             out, routing = self.mlp(x, run.routing.get(L), run.backends.moe)
+            if run.record_scores:
+                run.emit(L, "router_scores", routing.choice_scores)
             run.emit(L, "router_experts", routing.experts)
             run.emit(L, "router_weights", routing.weights)
         else:

@@ -25,6 +25,19 @@ from glmkit.model.norms import RMSNorm
 from glmkit.model.packed import Packed
 
 
+def replayed(own: torch.Tensor | None, replay: torch.Tensor | None) -> torch.Tensor:
+    """Top-k replay: rows of `replay` [R, W'] that hold an id replace `own` [R, W]; all-empty rows
+    (-1 throughout) keep this forward's own choice. The result is as wide as the wider of the two."""
+    if replay is None:
+        return own
+    replay = replay.to(device=own.device if own is not None else replay.device, dtype=torch.long)
+    if own is None:
+        return replay
+    width = max(own.shape[1], replay.shape[1])
+    own, replay = (torch.nn.functional.pad(t, (0, width - t.shape[1]), value=-1) for t in (own, replay))
+    return torch.where((replay >= 0).any(-1, keepdim=True), replay, own)
+
+
 @dataclass
 class DSAState:
     """Decode cache of one DSA layer: latent [B, cap, R]; indexer state when this layer runs its own."""
@@ -67,34 +80,43 @@ class SparseMLA(nn.Module):
         probs = scores.masked_fill((idx < 0)[:, None], float("-inf")).softmax(-1)
         return torch.einsum("hvr,thr->thv", w_uv, torch.einsum("thw,twr->thr", probs, latents)).to(q.dtype)
 
-    def forward_packed(self, x, packed: Packed, dsa, shared_topk=None, state: DSAState | None = None):
-        """x [T, D] packed -> (out [T, D], selected ids [T, width]) through the DSA kernel backend `dsa`.
-        `state` receives the latents (and indexer cache) of every sequence, for decoding after a prefill."""
+    def forward_packed(self, x, packed: Packed, dsa, shared_topk=None, state: DSAState | None = None,
+                       replay=None, on_scores=None):
+        """x [T, D] packed -> (out [T, D], selection used [T, W], own selection [T, width] or None for
+        a shared indexer) through the DSA kernel backend `dsa`. `state` receives the latents (and
+        indexer cache) of every sequence, for decoding after a prefill. `replay` [T, W'] (packed ids,
+        -1 empty) replaces the selection of every row that has an id (top-k replay; the indexer still
+        runs, to fill caches, report its own choice and its scores to `on_scores`)."""
         q_resid, q, latent = self._project(x)
         if state is not None:
             for n, (start, end) in enumerate(packed.bounds()):
                 state.latent[n, :end - start] = latent[start:end]
         if self.indexer is not None:
-            topk = self.indexer.select_packed(x, q_resid, packed, state.indexer if state is not None else None)
-        elif shared_topk is None:
+            topk = self.indexer.select_packed(x, q_resid, packed, state.indexer if state is not None else None,
+                                              on_scores)
+        elif shared_topk is None and replay is None:
             raise ValueError("a DSA layer with a shared indexer needs the top-k of the layer before it")
         else:
             topk = shared_topk
-        out = dsa.attend(q, latent, self.kv_b_proj.weight, topk, packed.bounds(), self.scale)
-        return self.o_proj(out.flatten(-2)), topk
+        used = replayed(topk, replay)
+        out = dsa.attend(q, latent, self.kv_b_proj.weight, used, packed.bounds(), self.scale)
+        return self.o_proj(out.flatten(-2)), used, topk if self.indexer is not None else None
 
-    def forward_step(self, x, lengths, state: DSAState, shared_topk=None):
-        """x [B, D] new tokens at cache positions `lengths` [B] -> (out [B, D], selected positions)."""
+    def forward_step(self, x, lengths, state: DSAState, shared_topk=None, replay=None, on_scores=None):
+        """x [B, D] new tokens at cache positions `lengths` [B] -> (out [B, D], positions used, own
+        positions or None), as forward_packed; `replay` [B, W'] holds cache positions."""
         q_resid, q, latent = self._project(x)
         rows = torch.arange(x.shape[0], device=x.device)
         state.latent[rows, lengths] = latent
         if self.indexer is not None:
-            topk = self.indexer.select_step(x, q_resid, lengths, state.indexer)
+            topk = self.indexer.select_step(x, q_resid, lengths, state.indexer, on_scores)
         else:
             topk = shared_topk
-        selected = compact_selection(topk)
+        used = replayed(topk, replay)
+        selected = compact_selection(used)
         gathered = state.latent[rows[:, None], selected.clamp(min=0)]
-        return self.o_proj(self._attend_absorbed(q, gathered, selected).flatten(-2)), topk
+        return (self.o_proj(self._attend_absorbed(q, gathered, selected).flatten(-2)), used,
+                topk if self.indexer is not None else None)
 
     def empty_state(self, batch: int, capacity: int, dtype, device) -> DSAState:
         latent = torch.zeros(batch, capacity, self.rank, dtype=dtype, device=device)

@@ -89,6 +89,11 @@ class LightningIndexer(nn.Module):
         s = F.relu(q @ pools.float().transpose(-1, -2) * self.head_dim ** -0.5)
         return (w.unsqueeze(-2) @ s).squeeze(-2)
 
+    def _candidates_only(self, scores, visible_count):
+        """scores [R, P] with -inf where a pool is not complete and visible to the row."""
+        pool_ids = torch.arange(scores.shape[1], device=scores.device)
+        return scores.masked_fill(pool_ids[None] >= (visible_count // self.kpool)[:, None], float("-inf"))
+
     def _expand(self, scores, visible_count):
         """scores [R, P] over pools, visible_count [R] (tokens visible to each query, itself included)
         -> token positions [R, width] relative to the sequence start, -1 = empty. The layout does not
@@ -117,12 +122,18 @@ class LightningIndexer(nn.Module):
 
     # ---- train path and prefill -------------------------------------------------------------
     @torch.no_grad()
-    def select_packed(self, x, q_resid, packed: Packed, state: IndexerState | None = None):
+    def select_packed(self, x, q_resid, packed: Packed, state: IndexerState | None = None, on_scores=None):
         """x [T, D], q_resid [T, q_lora] -> selected token ids [T, width] as packed (global) indices.
-        With `state`, also fills the decode cache of every sequence (slot n = sequence n)."""
+        With `state`, also fills the decode cache of every sequence (slot n = sequence n). With
+        `on_scores`, calls it with every row's pool scores [T, max pools of a sequence] (fp32,
+        -inf where a pool is not a candidate): what a tie judgement needs."""
         keys, gates = self._keys(x)
         q, w = self._query(x, q_resid)
         out = torch.full((x.shape[0], self.width), -1, dtype=torch.long, device=x.device)
+        all_scores = None
+        if on_scores is not None:
+            widest = max(end - start for start, end in packed.bounds()) // self.kpool
+            all_scores = torch.full((x.shape[0], widest), float("-inf"), device=x.device)
         for n, (start, end) in enumerate(packed.bounds()):
             L = end - start
             n_pools = L // self.kpool
@@ -138,12 +149,17 @@ class LightningIndexer(nn.Module):
                 visible = torch.arange(r0 + 1, r1 + 1, device=x.device)
                 sel = self._expand(scores, visible)
                 out[start + r0:start + r1] = torch.where(sel >= 0, sel + start, sel)
+                if all_scores is not None:
+                    all_scores[start + r0:start + r1, :scores.shape[1]] = self._candidates_only(scores, visible)
+        if on_scores is not None:
+            on_scores(all_scores)
         return out
 
     # ---- rollout decode ----------------------------------------------------------------------
     @torch.no_grad()
-    def select_step(self, x, q_resid, lengths, state: IndexerState):
-        """x [B, D] new tokens at cache positions `lengths` [B] -> cache positions [B, width]."""
+    def select_step(self, x, q_resid, lengths, state: IndexerState, on_scores=None):
+        """x [B, D] new tokens at cache positions `lengths` [B] -> cache positions [B, width]
+        (`on_scores` as in select_packed, [B, pools])."""
         B = x.shape[0]
         rows = torch.arange(B, device=x.device)
         keys, gates = self._keys(x)
@@ -157,6 +173,8 @@ class LightningIndexer(nn.Module):
         q, w = self._query(x, q_resid)
         n_pools = int(visible.max()) // self.kpool
         scores = self._scores(q, w, state.pools[:, :n_pools])
+        if on_scores is not None:
+            on_scores(self._candidates_only(scores, visible))
         return self._expand(scores, visible)
 
     def empty_state(self, batch: int, capacity: int, dtype, device) -> IndexerState:

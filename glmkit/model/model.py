@@ -26,7 +26,7 @@ class Glm5Model(nn.Module):
         """input_ids [T] (packed, or one per request when decoding) -> final hidden [T, D]."""
         x = self.embed_tokens(input_ids)
         streams = x.unsqueeze(-2).expand(*x.shape[:-1], self.config.hc_mult, x.shape[-1]).contiguous()
-        run.topk = None
+        run.topk = run.own_topk = run.own_scores = None
         for block in self.layers:
             if run.recompute and torch.is_grad_enabled():
                 streams = checkpoint(_Recomputed(block, run), streams, use_reentrant=False)

@@ -20,10 +20,12 @@ GROUP_ALIGN = 16
 
 @dataclass
 class Routing:
-    """experts [T, k] (int64) and weights [T, k] (fp32, renormalised and scaled)."""
+    """experts [T, k] (int64) and weights [T, k] (fp32, renormalised and scaled); choice_scores
+    [T, E] the scores the choice ranks (sigmoid + correction bias, fp32), for tie judgements."""
 
     experts: torch.Tensor
     weights: torch.Tensor
+    choice_scores: torch.Tensor | None = None
 
 
 class Router(nn.Module):
@@ -40,13 +42,14 @@ class Router(nn.Module):
         forward choose); weights are still computed from this forward's scores, so gradients flow
         through the router."""
         scores = F.linear(x.float(), self.weight.float()).sigmoid()
+        choice = (scores + self.e_score_correction_bias).detach()
         if experts is None or (experts < 0).any():  # rows of -1 in a replay: this forward chooses
-            own = torch.topk(scores + self.e_score_correction_bias, self.top_k, dim=-1, sorted=False).indices
+            own = torch.topk(choice, self.top_k, dim=-1, sorted=False).indices
             experts = own if experts is None else torch.where(experts >= 0, experts, own)
         weights = scores.gather(1, experts)
         if self.norm_topk:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        return Routing(experts, weights * self.scaling)
+        return Routing(experts, weights * self.scaling, choice)
 
 
 def grouped_mm_available(x: torch.Tensor, hidden: int, intermediate: int) -> bool:

@@ -45,6 +45,17 @@ class Packed:
     def last_indices(self) -> torch.Tensor:
         return self.cu_seqlens[1:] - 1
 
+    def to_global(self, local: torch.Tensor) -> torch.Tensor:
+        """Per-token positions inside each row's own sequence [T, W] (-1 empty) -> packed ids."""
+        local = local.to(self.cu_seqlens.device, torch.long)
+        start = self.cu_seqlens[self.seq_index][:, None]
+        return torch.where(local >= 0, local + start, local)
+
+    def to_local(self, ids: torch.Tensor) -> torch.Tensor:
+        """Packed ids [T, W] (-1 empty) -> positions inside each row's own sequence."""
+        start = self.cu_seqlens[self.seq_index][:, None]
+        return torch.where(ids >= 0, ids - start, ids)
+
 
 def pack(sequences, device="cpu") -> tuple[torch.Tensor, Packed]:
     """List of token-id lists/tensors -> (input_ids [T], Packed)."""

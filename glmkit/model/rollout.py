@@ -70,23 +70,31 @@ class RolloutEngine:
                 else layer.self_attn.empty_state(batch, capacity, dtype, device) for layer in self.model.layers]
 
     @torch.no_grad()
-    def prefill(self, prompts, capacity: int, all_logits: bool = False, record=None):
+    def prefill(self, prompts, capacity: int, all_logits: bool = False, record=None, topk_replay=None,
+                record_scores=False):
         """prompts: list of token lists -> (DecodeBatch, logits). Logits are [B, V] at each prompt's last
-        token, or [T, V] over all packed prompt tokens with all_logits."""
+        token, or [T, V] over all packed prompt tokens with all_logits. `topk_replay` {DSA layer:
+        [T, W] positions inside each prompt, -1 empty} replays selections (as TrainPath.forward)."""
         input_ids, packed = pack(prompts, device=self.model.device)
         if max(packed.lengths()) > capacity:
             raise ValueError(f"capacity {capacity} is shorter than the longest prompt ({max(packed.lengths())})")
         states = self._empty_states(packed.num_sequences, capacity)
-        run = Run(self.backends, packed=packed, states=states, record=record)
+        replay = {layer: packed.to_global(rows) for layer, rows in (topk_replay or {}).items()}
+        run = Run(self.backends, packed=packed, states=states, record=record, topk_replay=replay,
+                  record_scores=record_scores)
         hidden = self.model.hidden(input_ids, run)
         rows = hidden if all_logits else hidden[packed.last_indices()]
         lengths = torch.as_tensor(packed.lengths(), device=self.model.device)
         return DecodeBatch(run.states, lengths), self.model.lm_head(rows).float()
 
     @torch.no_grad()
-    def step(self, batch: DecodeBatch, tokens: torch.Tensor, record=None) -> torch.Tensor:
-        """tokens [B] (one per request) -> logits [B, V]; the caches advance by one."""
-        run = Run(self.backends, lengths=batch.lengths, states=batch.states, record=record)
+    def step(self, batch: DecodeBatch, tokens: torch.Tensor, record=None, topk_replay=None,
+             record_scores=False) -> torch.Tensor:
+        """tokens [B] (one per request) -> logits [B, V]; the caches advance by one. `topk_replay`
+        {DSA layer: [B, W] cache positions} replays this step's selections."""
+        replay = {layer: rows.to(self.model.device) for layer, rows in (topk_replay or {}).items()}
+        run = Run(self.backends, lengths=batch.lengths, states=batch.states, record=record, topk_replay=replay,
+                  record_scores=record_scores)
         hidden = self.model.hidden(tokens, run)
         batch.lengths = batch.lengths + 1
         return self.model.lm_head(hidden).float()

@@ -34,6 +34,7 @@ class TrainOutput:
     logits: torch.Tensor | None
     routing: dict
     entropy: torch.Tensor | None = None
+    topk: dict | None = None
 
 
 def next_token_targets(input_ids: torch.Tensor, packed: Packed) -> torch.Tensor:
@@ -69,24 +70,31 @@ class TrainPath:
         return token_logprobs(logits, targets, temperature), entropy
 
     def forward(self, sequences=None, *, input_ids=None, packed=None, targets=None, temperature=1.0,
-                return_logits=False, return_entropy=False, routing=None, record=None) -> TrainOutput:
+                return_logits=False, return_entropy=False, routing=None, topk_replay=None, record=None,
+                record_scores=False) -> TrainOutput:
         """Give `sequences` (list of token lists) or `input_ids` [T] + `packed`. `routing` replays
-        experts per MoE layer ({layer: [T, k]}); `record(layer, site, tensor)` observes every site."""
+        experts per MoE layer ({layer: [T, k]}); `topk_replay` replays DSA selections per DSA layer
+        ({layer: [T, W] positions inside each token's sequence, -1 empty; an all-empty row keeps this
+        forward's choice}); `record(layer, site, tensor)` observes every site (with `record_scores`,
+        the index scores too). `TrainOutput.topk` holds the selections used, sequence-local."""
         device = self.model.device
         if sequences is not None:
             input_ids, packed = pack(sequences, device=device)
         if targets is None:
             targets = next_token_targets(input_ids, packed)
-        chosen = {}
+        chosen, selected = {}, {}
 
         def observe(layer, site, value):
             if site == "router_experts":
                 chosen[layer] = value
+            if site == "indexer_topk":
+                selected[layer] = value
             if record is not None:
                 record(layer, site, value)
 
+        replay = {layer: packed.to_global(rows) for layer, rows in (topk_replay or {}).items()}
         run = Run(self.backends, packed=packed, record=observe, routing=dict(routing or {}),
-                  recompute=self.recompute)
+                  recompute=self.recompute, topk_replay=replay, record_scores=record_scores)
         hidden = self.model.hidden(input_ids, run)
         logprobs, logits, entropy = [], [], []
         for r0 in range(0, hidden.shape[0], _LOGIT_ROWS):
@@ -111,4 +119,5 @@ class TrainPath:
                 record(None, "logits", torch.cat(logits))
             record(None, "logprobs", torch.cat(logprobs))
         return TrainOutput(torch.cat(logprobs), targets, packed, torch.cat(logits) if return_logits else None,
-                           chosen, torch.cat(entropy) if return_entropy else None)
+                           chosen, torch.cat(entropy) if return_entropy else None,
+                           {layer: packed.to_local(ids) for layer, ids in selected.items()})

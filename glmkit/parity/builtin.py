@@ -26,29 +26,51 @@ def make_inputs(vocab_size: int, batch: int, seq_len: int, seed: int = 0):
     return seqs, [max(1, n // 2) for n in lengths]
 
 
+REPLAY_MODES = ("auto", "on", "off")
+
+
 def capture_path(path: str, checkpoint, sequences, prompt_lengths, dtype=torch.float32, device="cpu",
-                 backends=None, streaming_partner=None) -> Capture:
-    """One path's capture: a live path name run on `checkpoint`, or a dump directory."""
+                 backends=None, topk_replay: dict | None = None) -> Capture:
+    """One path's capture: a live path name run on `checkpoint`, or a dump directory. `topk_replay`
+    {DSA layer: [T, W] sequence-local selections} makes a live path use those selections."""
     from glmkit.model import load_model
     from glmkit.reference import load_reference
 
     meta = {"checkpoint": str(checkpoint)}
+    if topk_replay:
+        meta["topk_replayed"] = True
     if path == "reference":
-        return capture_reference(load_reference(checkpoint, dtype, device), sequences, **meta)
+        return capture_reference(load_reference(checkpoint, dtype, device), sequences, topk_replay, **meta)
     if path == "train":
-        return capture_train(load_model(checkpoint, dtype, device), sequences, backends, **meta)
+        return capture_train(load_model(checkpoint, dtype, device), sequences, backends,
+                             topk_replay=topk_replay, **meta)
     if path == "rollout":
-        return capture_rollout(load_model(checkpoint, dtype, device), sequences, prompt_lengths, backends, **meta)
+        return capture_rollout(load_model(checkpoint, dtype, device), sequences, prompt_lengths, backends,
+                               topk_replay=topk_replay, **meta)
     if Path(path).is_dir():
         return load_capture(path)
     raise ValueError(f"unknown path {path!r}; allowed: {', '.join(LIVE_PATHS)} or a capture directory")
 
 
+def selections_of(capture: Capture) -> dict:
+    """A capture's DSA selections as a replay: {layer: [T, W] sequence-local, -1 empty}."""
+    return {layer: t for (layer, site), t in capture.tensors.items() if site == "indexer_topk"}
+
+
 def parity(checkpoint, paths=("reference", "train"), checkpoint_b=None, seq_len: int = 64, batch: int = 2,
            dtype: str = "float32", device: str = "cpu", backends: Backends | str | None = None, streaming: bool = False,
-           thresholds: dict | None = None, seed: int = 0, vocab_size: int | None = None):
+           thresholds: dict | None = None, seed: int = 0, vocab_size: int | None = None, replay_topk: str = "auto",
+           replay_from: dict | None = None, replay_from_name: str = "a file"):
     """Capture two paths on the same seeded input and compare them.
-    -> (ParityResult, capture_a, capture_b). A dump directory as a path fixes the input to the dump's."""
+    -> (ParityResult, capture_a, capture_b). A dump directory as a path fixes the input to the dump's.
+
+    Top-k replay (`replay_topk`): "on" makes path B use path A's DSA selections at every DSA layer,
+    so sites downstream of a selection difference compare like for like; "auto" does so only when
+    path A is the reference or a capture and the first comparison found rows that differ by ties;
+    "off" never. `replay_from` {layer: [T, W]} (e.g. a framework's per-token indexer_topk) is
+    replayed into both live paths instead."""
+    if replay_topk not in REPLAY_MODES:
+        raise ValueError(f"replay_topk={replay_topk!r}; allowed: {', '.join(REPLAY_MODES)}")
     from glmkit.checkpoint import open_checkpoint
 
     a, b = paths
@@ -67,13 +89,50 @@ def parity(checkpoint, paths=("reference", "train"), checkpoint_b=None, seq_len:
         if sorted(paths) != ["reference", "train"] or checkpoint_b is not None:
             raise ValueError("--streaming compares paths reference,train on one checkpoint (layer by layer, "
                              "each glmkit layer fed the reference's input)")
+        if replay_topk == "on" or replay_from is not None:
+            raise ValueError("top-k replay is not available with --streaming (each layer is fed the reference's "
+                             "input; compare end to end to replay selections)")
         cap_ref, cap_train = stream_parity(checkpoint, sequences, torch_dtype, device, backends)
         caps = {"reference": cap_ref, "train": cap_train}
         cap_a, cap_b = caps[a], caps[b]
-    else:
-        cap_a = capture_path(a, checkpoint, sequences, prompts, torch_dtype, device, backends)
-        cap_b = capture_path(b, checkpoint_b or checkpoint, sequences, prompts, torch_dtype, device, backends)
+        return compare(cap_a, cap_b, dtype, thresholds, response_starts=prompts), cap_a, cap_b
+
+    def run_b(replay):
+        return capture_path(b, checkpoint_b or checkpoint, sequences, prompts, torch_dtype, device, backends, replay)
+
+    if replay_from is not None:
+        total = sum(len(s) for s in sequences)
+        for layer, rows in replay_from.items():
+            if rows.shape[0] != total:
+                raise ValueError(f"replayed selections for layer {layer} have {rows.shape[0]} token rows; the "
+                                 f"input has {total} tokens (lengths {[len(s) for s in sequences]})")
+    cap_a = capture_path(a, checkpoint, sequences, prompts, torch_dtype, device, backends, replay_from)
+    if replay_from is not None:
+        cap_b = run_b(replay_from)
+        result = compare(cap_a, cap_b, dtype, thresholds, response_starts=prompts)
+        result.topk_replay = f"both paths replay the DSA selections from {replay_from_name}"
+        return result, cap_a, cap_b
+    if replay_topk == "on":
+        cap_b = run_b(selections_of(cap_a))
+        result = compare(cap_a, cap_b, dtype, thresholds, response_starts=prompts)
+        result.topk_replay = f"path B ({b}) replays path A's ({a}) DSA selections (--replay-topk on)"
+        return result, cap_a, cap_b
+    cap_b = run_b(None)
     result = compare(cap_a, cap_b, dtype, thresholds, response_starts=prompts)
+    tied = [s for s in result.sites if s.site == "indexer_topk" and s.tied]
+    source_is_fixed = a == "reference" or a not in LIVE_PATHS
+    if replay_topk == "auto" and tied and source_is_fixed:
+        cap_b = run_b(selections_of(cap_a))
+        replayed = compare(cap_a, cap_b, dtype, thresholds, response_starts=prompts)
+        layers = ", ".join(str(s.layer) for s in tied)
+        replayed.topk_replay = (f"path B ({b}) replays path A's ({a}) DSA selections: ties were seen at layer(s) "
+                                f"{layers} without replay (auto)")
+        # what the run without replay found stays on record: the tie counts and its own verdict
+        replayed.warnings = result.warnings + [
+            f"without replay: verdict {result.verdict}" + (
+                "" if result.first_divergence is None else
+                f", first divergence layer {result.first_divergence.layer} {result.first_divergence.site}")]
+        return replayed, cap_a, cap_b
     return result, cap_a, cap_b
 
 

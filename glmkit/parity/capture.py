@@ -48,10 +48,15 @@ class _Collector:
             self.capture.put(layer, site, rows)
             return
         store = self.capture.tensors.get(key)
+        empty = {"indexer_topk": -1, "indexer_scores": float("-inf")}.get(site, 0)
         if store is None:
-            store = torch.zeros((self.total, *rows.shape[1:]), dtype=rows.dtype)
-            if site == "indexer_topk":
-                store.fill_(-1)
+            store = torch.full((self.total, *rows.shape[1:]), empty, dtype=rows.dtype)
+            self.capture.tensors[key] = store
+        if site == "indexer_scores" and rows.shape[1] != store.shape[1]:
+            # pool scores grow by one pool every kpool decode steps: pad to the widest so far
+            width = max(rows.shape[1], store.shape[1])
+            store = torch.nn.functional.pad(store, (0, width - store.shape[1]), value=empty)
+            rows = torch.nn.functional.pad(rows, (0, width - rows.shape[1]), value=empty)
             self.capture.tensors[key] = store
         store[index] = rows
 
@@ -61,17 +66,20 @@ def _manifest(path: str, model_config, dtype, device, **extra) -> dict:
     from glmkit.config import describe
 
     return {"path": path, "model": describe(model_config), "dtype": str(dtype).replace("torch.", ""),
-            "device": str(device), "mode": "end-to-end", "glmkit": __version__, **extra}
+            "device": str(device), "mode": "end-to-end", "glmkit": __version__,
+            "index_kpool": model_config.index_kpool, **extra}
 
 
 def _local(topk: torch.Tensor, packed: Packed) -> torch.Tensor:
     """Packed (global) token ids -> positions inside each row's own sequence."""
-    start = packed.cu_seqlens[packed.seq_index][:, None]
-    return torch.where(topk >= 0, topk - start, topk)
+    return packed.to_local(topk)
 
 
 @torch.no_grad()
-def capture_train(model, sequences, backends: Backends | str | None = None, keep_logits: bool = False, **manifest) -> Capture:
+def capture_train(model, sequences, backends: Backends | str | None = None, keep_logits: bool = False,
+                  topk_replay: dict | None = None, **manifest) -> Capture:
+    """`topk_replay` {DSA layer: [T, W] sequence-local positions} (e.g. another capture's
+    `indexer_topk` rows) makes every DSA layer use those selections."""
     from glmkit.model import TrainPath
 
     input_ids, packed = pack(sequences, device=model.device)
@@ -86,14 +94,16 @@ def capture_train(model, sequences, backends: Backends | str | None = None, keep
             value = _local(value, packed)
         sink.put(layer, site, value)
 
-    TrainPath(model, backends).forward(input_ids=input_ids, packed=packed, record=record,
-                                          return_logits=keep_logits)
+    TrainPath(model, backends).forward(input_ids=input_ids, packed=packed, record=record, return_logits=keep_logits,
+                                       topk_replay=topk_replay, record_scores=True)
     return capture
 
 
 @torch.no_grad()
-def capture_rollout(model, sequences, prompt_lengths, backends: Backends | str | None = None, **manifest) -> Capture:
-    """Prefill sequence[:p] for each prompt length p, then decode the remaining tokens one per step."""
+def capture_rollout(model, sequences, prompt_lengths, backends: Backends | str | None = None,
+                    topk_replay: dict | None = None, **manifest) -> Capture:
+    """Prefill sequence[:p] for each prompt length p, then decode the remaining tokens one per step.
+    `topk_replay` as in capture_train (rows of every token, prompt and decoded)."""
     from glmkit.model import RolloutEngine
 
     seqs = [list(map(int, s)) for s in sequences]
@@ -118,8 +128,10 @@ def capture_rollout(model, sequences, prompt_lengths, backends: Backends | str |
             sink.put(layer, site, value, prompt_rows)
 
     remaining = max(len(s) - p for s, p in zip(seqs, prompt_lengths))
+    replay = {layer: torch.as_tensor(rows) for layer, rows in (topk_replay or {}).items()}
     batch, logits = engine.prefill([s[:p] for s, p in zip(seqs, prompt_lengths)], max(map(len, seqs)),
-                                   all_logits=True, record=record_prefill)
+                                   all_logits=True, record=record_prefill, record_scores=True,
+                                   topk_replay={layer: rows[prompt_rows] for layer, rows in replay.items()})
     sink.put(None, "logprobs", token_logprobs(logits.cpu(), targets[prompt_rows]), prompt_rows)
     for j in range(remaining):
         active = [n for n, (s, p) in enumerate(zip(seqs, prompt_lengths)) if p + j < len(s)]
@@ -131,14 +143,19 @@ def capture_rollout(model, sequences, prompt_lengths, backends: Backends | str |
             if site != "logits":
                 sink.put(layer, site, value[active], rows)
 
-        step_logits = engine.step(batch, feed, record=record_step)
+        step_replay = {}
+        for layer, all_rows in replay.items():
+            step_replay[layer] = torch.full((len(seqs), all_rows.shape[1]), -1, dtype=torch.long)
+            step_replay[layer][active] = all_rows[rows].long()
+        step_logits = engine.step(batch, feed, record=record_step, topk_replay=step_replay, record_scores=True)
         sink.put(None, "logprobs", token_logprobs(step_logits[active].cpu(), targets[rows]), rows)
     return capture
 
 
 @torch.no_grad()
-def capture_reference(ref, sequences, **manifest) -> Capture:
-    """transformers' Glm5NextForConditionalGeneration, one unpadded sequence at a time, through hooks."""
+def capture_reference(ref, sequences, topk_replay: dict | None = None, **manifest) -> Capture:
+    """transformers' Glm5NextForConditionalGeneration, one unpadded sequence at a time, through hooks.
+    `topk_replay` as in capture_train: a hook replaces each full indexer's output with those rows."""
     text = ref.model.language_model
     config = ref.config.get_text_config()
     input_ids, packed = pack(sequences)
@@ -152,7 +169,10 @@ def capture_reference(ref, sequences, **manifest) -> Capture:
         sink.put(layer, site, value.reshape(-1, *value.shape[2:]), rows_now["rows"])
 
     last_topk = {}
-    hooks = [h for i, layer in enumerate(text.layers) for h in hook_reference_layer(layer, i, put, last_topk)]
+    replay = None
+    if topk_replay:
+        replay = lambda i: {k: v[rows_now["rows"]] for k, v in topk_replay.items()}.get(i)  # noqa: E731
+    hooks = [h for i, layer in enumerate(text.layers) for h in hook_reference_layer(layer, i, put, last_topk, replay)]
     hooks.append(text.norm.register_forward_hook(lambda m, a, out: put(None, "final_hidden", out)))
     try:
         for n, (start, end) in enumerate(packed.bounds()):
@@ -166,9 +186,32 @@ def capture_reference(ref, sequences, **manifest) -> Capture:
     return capture
 
 
-def hook_reference_layer(layer, i: int, put, last_topk: dict) -> list:
+def reference_index_scores(indexer, hidden_states, q_resid, attention_mask) -> torch.Tensor:
+    """The pool scores transformers' indexer ranks, [B, S, pools] fp32 with -inf where a pool is not a
+    candidate, recomputed from its own submodules and pooling on the inputs it received (its forward
+    keeps them local). The comparison checks that its selection is a top-k of these scores before it
+    calls a difference a tie, so a recomputation that drifted would be reported, not trusted."""
+    m = indexer
+    B, S = hidden_states.shape[:2]
+    q = m.wq_b(q_resid).view(B, S, -1, m.head_dim)
+    k = m.k_norm(m.wk(hidden_states)).view(B, S, -1, m.head_dim).squeeze(2)
+    gate = torch.nn.functional.linear(hidden_states, m.index_kpool_compress_gate)
+    packed_states = torch.cat([k, gate, attention_mask.to(k.dtype)[..., None]], dim=-1)
+    visible = m.get_visible_tokens(valid_keys=packed_states[..., -1].bool(), q_length=S, current_length=S)
+    pool_keys, pool_indices, pool_valid = m.get_pooled_states(packed_states=packed_states)
+    scores = torch.relu(torch.matmul(q.float(), pool_keys.transpose(-1, -2).float().unsqueeze(1)) * m.softmax_scale)
+    weights = m.weights_proj(hidden_states.to(m.weights_proj.weight.dtype)).float() * m.n_heads ** -0.5
+    index_scores = torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)
+    pool_end = pool_indices[..., -1].clamp(0, S - 1)
+    candidate = visible.gather(-1, pool_end[:, None, :].expand(B, S, -1)) & pool_valid[:, None]
+    return index_scores.masked_fill(~candidate, float("-inf"))
+
+
+def hook_reference_layer(layer, i: int, put, last_topk: dict, replay=None) -> list:
     """Forward hooks on one transformers decoder layer reporting its sites to put(layer, site, tensor).
-    `last_topk` carries a full indexer's selection to the "shared" DSA layer after it."""
+    `last_topk` carries a full indexer's selection to the "shared" DSA layer after it. `replay(i)`,
+    when given, returns rows [S, W] (sequence-local, -1 empty) that replace this layer's full
+    indexer output (all-empty rows keep its own choice)."""
     hooks = []
 
     def add(module, fn, pre=False):
@@ -187,13 +230,30 @@ def hook_reference_layer(layer, i: int, put, last_topk: dict) -> list:
     add(layer.input_layernorm, lambda a, out: put(i, "attn_in", out))
     add(layer.self_attn, lambda a, out: put(i, "attn_out", first(out)))
     if getattr(layer.self_attn, "indexer", None) is not None:
-        add(layer.self_attn.indexer, lambda a, out: [last_topk.__setitem__("t", out), put(i, "indexer_topk", out)])
+        def indexer_hook(m, args, kwargs, out):
+            inputs = dict(zip(("hidden_states", "q_resid", "attention_mask"), args)) | kwargs
+            last_topk["scores"] = reference_index_scores(m, inputs["hidden_states"], inputs["q_resid"],
+                                                         inputs["attention_mask"])
+            put(i, "indexer_scores", last_topk["scores"])
+            put(i, "indexer_topk", out)  # its own choice, replayed or not (as glmkit's paths report)
+            last_topk["own"] = out
+            rows = replay(i) if replay is not None else None
+            if rows is not None:
+                from glmkit.model.dsa import replayed
+
+                out = replayed(out[0], rows.to(out.device))[None].to(out.dtype)
+            return out
+
+        hooks.append(layer.self_attn.indexer.register_forward_hook(indexer_hook, with_kwargs=True))
     elif layer.block_type != "linear_attention":
-        add(layer.self_attn, lambda a, out: put(i, "indexer_topk", last_topk["t"]), pre=True)
+        add(layer.self_attn, lambda a, out: [put(i, "indexer_scores", last_topk["scores"]),
+                                             put(i, "indexer_topk", last_topk["own"])], pre=True)
     add(layer.ffn_hc, lambda a, out: put(i, "streams_after_attn", a[0]), pre=True)
     add(layer.post_attention_layernorm, lambda a, out: put(i, "mlp_in", out))
     if hasattr(layer.mlp, "gate") and hasattr(layer.mlp, "experts"):
-        add(layer.mlp.gate, lambda a, out: [put(i, "router_experts", out[2][None]), put(i, "router_weights", out[1][None])])
+        add(layer.mlp.gate, lambda a, out: [
+            put(i, "router_scores", (out[0].float().sigmoid() + layer.mlp.gate.e_score_correction_bias)[None]),
+            put(i, "router_experts", out[2][None]), put(i, "router_weights", out[1][None])])
     add(layer.mlp, lambda a, out: put(i, "mlp_out", out))
     add(layer, lambda a, out: put(i, "streams_after_ffn", first(out)))
     return hooks

@@ -3,9 +3,10 @@ train/rollout log-prob metric.
 
 Per value site: max |a - b|, relative RMS ||a - b|| / ||a|| (the ratio fla's tests use), cosine,
 NaN/Inf counts, and the error per token row. Per index site (indexer top-k, router experts):
-Jaccard overlap of the row sets and the fraction of rows with identical sets.
-A site diverges when its relative RMS is over the dtype's threshold (or, for index sites, when
-fewer than `identical` of its rows agree). Sites are ordered by layer, then by where they occur
+Jaccard overlap of the row sets, and each row counted as identical, tied (the sets differ only in
+pools or experts that score equal to the top-k boundary on both sides, within the dtype's tie
+tolerance) or different. A site diverges when its relative RMS is over the dtype's threshold (or,
+for index sites, when more than 1 - `identical` of its rows are different; ties do not count). Sites are ordered by layer, then by where they occur
 in the block, so the first divergence is the earliest place the two paths part ways.
 """
 
@@ -15,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from glmkit.model.sites import FINAL, INDEX_SITES, PER_LAYER
+from glmkit.model.sites import AUX_SITES, FINAL, INDEX_SITES, PER_LAYER, SCORE_SITE
 from glmkit.parity.dump import Capture
 
 # Defaults: fp32 paths agree to ~1e-6 (the reference's own padding floor is ~1.5e-5); bf16 rounds
@@ -24,6 +25,10 @@ THRESHOLDS = {
     "float32": {"rel_rms": 1e-4, "identical": 0.99},
     "bfloat16": {"rel_rms": 5e-2, "identical": 0.9},
 }
+# When two scores count as equal for a tie: |s - boundary| <= atol + rtol |boundary|. fp32 paths
+# compute the same fp32 scores in another order (~1e-7 relative); bf16 paths feed the scores bf16
+# activations rounded at 2^-8, so near-equal there means within about one bf16 step.
+TIE_TOLERANCE = {"float32": {"atol": 1e-6, "rtol": 1e-5}, "bfloat16": {"atol": 1e-3, "rtol": 1e-2}}
 
 
 @dataclass
@@ -38,6 +43,8 @@ class SiteResult:
     inf: int = 0
     jaccard: float | None = None
     identical: float | None = None
+    tied: float | None = None       # rows whose sets differ only by ties at the top-k boundary
+    different: float | None = None  # rows that differ otherwise: these count toward divergence
     diverged: bool = False
     per_row: list = field(default_factory=list)   # error per token row (rel error, or 1 - Jaccard)
 
@@ -68,6 +75,8 @@ class ParityResult:
     first_divergence: SiteResult | None
     logprob: LogprobDiff | None
     skipped_sites: list
+    warnings: list = field(default_factory=list)
+    topk_replay: str | None = None  # where path B's DSA selections came from, when replayed
 
     @property
     def verdict(self) -> str:
@@ -81,6 +90,7 @@ class ParityResult:
             "logprob_worst_tokens": None if self.logprob is None else self.logprob.worst,
             "paths": [self.path_a, self.path_b], "dtype": self.dtype, "mode": self.mode,
             "thresholds": self.thresholds, "skipped_sites": self.skipped_sites,
+            "warnings": self.warnings, "topk_replay": self.topk_replay,
             "sites": [s.public() for s in self.sites],
         }
 
@@ -110,18 +120,53 @@ def compare_values(a: torch.Tensor, b: torch.Tensor, layer, site, threshold: flo
                       diverged=rel > threshold or nan > 0 or inf > 0, per_row=rows.tolist())
 
 
-def compare_indices(a: torch.Tensor, b: torch.Tensor, layer, site, identical_needed: float) -> SiteResult:
+def _side_is_tied(selected: set, scores: torch.Tensor | None, differing: set, atol: float, rtol: float) -> bool:
+    """One side's view of a differing row: its selection is a top-k of its own scores, and every
+    differing pool (or expert) scores equal to its boundary, the lowest score it selected."""
+    if scores is None:
+        return False
+    finite = torch.isfinite(scores)
+    chosen = [p for p in selected if p < len(scores) and finite[p]]
+    if not chosen:
+        return False
+    boundary = min(scores[p].item() for p in chosen)
+    tol = atol + rtol * abs(boundary)
+    others = finite.clone()
+    others[chosen] = False
+    if others.any() and scores[others].max().item() > boundary + tol:
+        return False  # not a top-k of these scores: nothing to judge a tie by
+    return all(p < len(scores) and finite[p] and abs(scores[p].item() - boundary) <= tol for p in differing)
+
+
+def compare_indices(a: torch.Tensor, b: torch.Tensor, layer, site, identical_needed: float,
+                    scores_a: torch.Tensor | None = None, scores_b: torch.Tensor | None = None,
+                    group: int = 1, atol: float = 0.0, rtol: float = 0.0) -> SiteResult:
+    """Rows of ids (-1 empty) compared as sets. With both sides' candidate scores ([rows, candidates],
+    -inf where not a candidate), a differing row is a tie when the ids that differ belong to
+    candidates (id // `group`: pools of `group` tokens, or experts with group 1) that score equal to
+    the top-k boundary on both sides, and each side's selection is a top-k of its own scores."""
     if len(a) != len(b):
         raise ValueError(f"site {layer}/{site}: {len(a)} rows vs {len(b)}")
-    jaccards = []
-    for row_a, row_b in zip(a.tolist(), b.tolist()):
+    jaccards, kinds = [], []
+    for r, (row_a, row_b) in enumerate(zip(a.tolist(), b.tolist())):
         sa, sb = {x for x in row_a if x >= 0}, {x for x in row_b if x >= 0}
         union = sa | sb
         jaccards.append(len(sa & sb) / len(union) if union else 1.0)
+        if sa == sb:
+            kinds.append("identical")
+            continue
+        pa, pb = {x // group for x in sa}, {x // group for x in sb}
+        differing = pa ^ pb
+        tied = bool(differing) and all(
+            _side_is_tied(sel, None if sc is None else sc[r], differing, atol, rtol)
+            for sel, sc in ((pa, scores_a), (pb, scores_b)))
+        kinds.append("tied" if tied else "different")
+    n = max(1, len(kinds))
+    frac = {k: kinds.count(k) / n for k in ("identical", "tied", "different")}
     jac = torch.tensor(jaccards, dtype=torch.float64)
-    same = (jac == 1.0).double().mean().item()
-    return SiteResult(layer, site, "indices", jaccard=jac.mean().item(), identical=same,
-                      diverged=same < identical_needed, per_row=(1 - jac).tolist())
+    return SiteResult(layer, site, "indices", jaccard=jac.mean().item() if len(jac) else 1.0,
+                      identical=frac["identical"], tied=frac["tied"], different=frac["different"],
+                      diverged=frac["different"] > 1 - identical_needed + 1e-12, per_row=(1 - jac).tolist())
 
 
 def logprob_abs_diff(a: Capture, b: Capture, response_starts=None, worst: int = 10) -> LogprobDiff | None:
@@ -158,15 +203,29 @@ def compare(a: Capture, b: Capture, dtype: str = "float32", thresholds: dict | N
     common = sorted(set(a.tensors) & set(b.tensors), key=_order)
     skipped = sorted(f"{k[0]}/{k[1]}" for k in set(a.tensors) ^ set(b.tensors))
     results = []
+    tie = TIE_TOLERANCE[dtype]
+    kpools = {c.manifest.get("index_kpool") for c in (a, b)} - {None}
+    kpool = next(iter(kpools)) if len(kpools) == 1 else None
+    warnings = []
     for layer, site in common:
-        if site == "logprobs":
+        if site == "logprobs" or site in AUX_SITES:
             continue
         ta, tb = a.tensors[(layer, site)], b.tensors[(layer, site)]
         if site in INDEX_SITES:
-            results.append(compare_indices(ta, tb, layer, site, limits["identical"]))
+            group = 1 if site == "router_experts" else kpool
+            scores = [c.tensors.get((layer, SCORE_SITE[site])) for c in (a, b)]
+            if group is None:  # without the pool size no id maps to its pool: ties cannot be judged
+                scores = [None, None]
+            r = compare_indices(ta, tb, layer, site, limits["identical"], *scores, group=group or 1, **tie)
+            results.append(r)
+            if r.tied:
+                warnings.append(f"layer {layer} {site}: {round(r.tied * len(ta))} of {len(ta)} rows differ only "
+                                f"by ties (equal scores at the top-k boundary on both sides)")
+            elif r.different and None in scores:
+                warnings.append(f"layer {layer} {site}: no candidate scores on both sides, ties not judged")
         else:
             results.append(compare_values(ta, tb, layer, site, limits["rel_rms"]))
     first = next((r for r in results if r.diverged), None)
     return ParityResult(a.manifest.get("path", "a"), b.manifest.get("path", "b"), dtype,
                         "streaming" if "streaming" in (a.manifest.get("mode"), b.manifest.get("mode")) else "end-to-end",
-                        limits, results, first, logprob_abs_diff(a, b, response_starts), skipped)
+                        limits, results, first, logprob_abs_diff(a, b, response_starts), skipped, warnings)

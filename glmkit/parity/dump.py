@@ -7,7 +7,13 @@
                             "input/ids" [T] and "input/cu_seqlens" [N+1]
 
 Per-token rows let paths that run differently (packed, left-padded, prefill + decode) line up.
-Index sites (indexer_topk, router_experts) hold sequence-local token positions / expert ids, -1 = empty.
+Index sites (indexer_topk, router_experts) hold sequence-local token positions / expert ids, -1 = empty;
+indexer_scores / router_scores hold each row's candidate scores (-inf = not a candidate), which the
+comparison reads to tell ties from differences.
+
+A framework's per-token DSA selections (what an SGLang engine returns as `indexer_topk`) are read by
+`read_selections`: int32 [tokens, DSA layers, k], rows in the packed token order of the capture they
+go with, sequence-local positions, -1 empty.
 Written to a temporary sibling directory and renamed into place when complete.
 """
 
@@ -109,3 +115,33 @@ def load_capture(path: str | os.PathLike) -> Capture:
             if not key.startswith("input/"):
                 capture.tensors[parse_key(key)] = f.get_tensor(key)
     return capture
+
+
+def read_selections(path, config) -> dict:
+    """Per-token DSA selections from a file -> {layer: [tokens, k] int64} for every DSA layer of
+    `config` in order. `.safetensors` (key `indexer_topk`; an optional int32 key `layers` names the
+    layer of each slot) or `.npy` (no pickle), int32 [tokens, DSA layers, k]."""
+    import numpy as np
+
+    from glmkit.config import layer_kinds
+
+    path = Path(path)
+    layers = None
+    if path.suffix == ".safetensors":
+        with safe_open(str(path), framework="pt") as f:
+            if "indexer_topk" not in f.keys():
+                raise ValueError(f"{path}: no tensor 'indexer_topk' (found: {', '.join(f.keys()) or 'none'})")
+            array = f.get_tensor("indexer_topk")
+            layers = f.get_tensor("layers").tolist() if "layers" in f.keys() else None
+    elif path.suffix == ".npy":
+        array = torch.from_numpy(np.load(path, allow_pickle=False))
+    else:
+        raise ValueError(f"{path}: selections must be .safetensors or .npy, got {path.suffix or 'no suffix'!r}")
+    if array.dim() != 3 or array.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{path}: expected int32 [tokens, DSA layers, k], got {array.dtype} {list(array.shape)}")
+    dsa = [i for i, kind in enumerate(layer_kinds(config)) if kind == "dsa"]
+    layers = dsa if layers is None else layers
+    if len(layers) != array.shape[1] or not set(layers) <= set(dsa):
+        raise ValueError(f"{path}: {array.shape[1]} layer slots for layers {layers}; the checkpoint's DSA layers are "
+                         f"{dsa}")
+    return {layer: array[:, j].long() for j, layer in enumerate(layers)}
