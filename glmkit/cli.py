@@ -313,6 +313,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--kl-loss-type", default="low_var_kl", choices=["k1", "k2", "k3", "low_var_kl"])
         p.add_argument("--entropy-coef", type=float, default=0.0)
         p.add_argument("--enable-r3", action="store_true", help="routing replay: the trainer uses the rollout's experts")
+        p.add_argument("--use-rollout-indexer-replay", action="store_true",
+                       help="DSA top-k replay: the trainer attends over the positions the rollout selected")
         p.add_argument("--lora-rank", type=int, default=8 if lora_required else 0)
         p.add_argument("--lora-alpha", type=float, default=16.0)
         p.add_argument("--target-modules", default="attn,mlp")

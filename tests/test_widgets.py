@@ -119,13 +119,15 @@ def test_topk_overlap(passing, failing):
         agreement = index_agreement(failing[0], site)
         view = TopkOverlap(agreement, site, identical_needed=0.99)
         ax, = view.figure().axes
-        assert len(ax.patches) == 2 * len(agreement) == 2  # one DSA / MoE layer in tiny: Jaccard + identical
+        # one DSA / MoE layer in tiny: Jaccard, identical, tied and different rows
+        assert len(ax.patches) == 4 * len(agreement) == 4
         assert [p.get_height() for p in ax.patches] == pytest.approx(
-            [agreement[3]["jaccard"], agreement[3]["identical"]])
+            [agreement[3][m] for m in ("jaccard", "identical", "tied", "different")])
+        assert agreement[3]["identical"] + agreement[3]["tied"] + agreement[3]["different"] == pytest.approx(1.0)
         view.choice.value = "jaccard"
         assert len(view.figure(("jaccard",)).axes[0].patches) == 1 and shown_png(view.output)
     heights = [p.get_height() for p in TopkOverlap(index_agreement(passing[0], "indexer_topk")).figure().axes[0].patches]
-    assert heights == [1.0, 1.0]
+    assert heights == [1.0, 1.0, 0.0, 0.0]
 
 
 def test_verdict_banner(passing, failing):

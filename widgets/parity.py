@@ -62,8 +62,11 @@ def layer_label(layer) -> str:
 
 
 def site_error(site_result) -> float | None:
-    """The one number a cell shows: rel RMS for value sites, 1 - identical fraction for index sites."""
+    """The one number a cell shows: rel RMS for value sites, the fraction of rows that differ other
+    than by ties for index sites (what counts toward divergence)."""
     if site_result.kind == "indices":
+        if site_result.different is not None:
+            return site_result.different
         return None if site_result.identical is None else 1.0 - site_result.identical
     return site_result.rel_rms
 
@@ -80,8 +83,8 @@ def _fmt(value) -> str:
 
 def describe_site(s) -> str:
     if s.kind == "indices":
-        return (f"layer {layer_label(s.layer)} {s.site}: identical rows {_fmt(s.identical)}, "
-                f"mean Jaccard {_fmt(s.jaccard)}")
+        return (f"layer {layer_label(s.layer)} {s.site}: identical rows {_fmt(s.identical)}, tied {_fmt(s.tied)}, "
+                f"different {_fmt(s.different)}, mean Jaccard {_fmt(s.jaccard)}")
     text = f"layer {layer_label(s.layer)} {s.site}: rel RMS {_fmt(s.rel_rms)}, max |diff| {_fmt(s.max_abs)}"
     if s.nan or s.inf:
         text += f", NaN {s.nan}, Inf {s.inf}"
@@ -144,8 +147,8 @@ class SiteHeatmap:
             ax.text(self.layers.index(first.layer), self.site_names.index(first.site), "1st", ha="center",
                     va="center", color="red", fontsize=8, fontweight="bold")
         ax.set_title(f"{self.result.path_a} vs {self.result.path_b}: log10 error per site "
-                     f"(index sites: 1 - identical rows)", fontsize=10)
-        fig.colorbar(image, ax=ax, label="log10 rel RMS (index sites: 1 - identical)")
+                     f"(index sites: rows different other than by ties)", fontsize=10)
+        fig.colorbar(image, ax=ax, label="log10 rel RMS (index sites: different rows)")
         return fig
 
     def _cell_button(self, layer, site) -> W.Widget:
@@ -308,21 +311,24 @@ class KdaErrorCurve:
 # ---------------------------------------------------------------- top-k / routing overlap
 
 class TopkOverlap:
-    """`agreement` from `index_agreement(result, site)`: {layer: {"jaccard", "identical"}}. Bars per
-    layer of the mean Jaccard overlap and the fraction of rows whose sets are identical."""
+    """`agreement` from `index_agreement(result, site)`: {layer: {"jaccard", "identical", "tied",
+    "different"}}. Bars per layer: the mean Jaccard overlap, and the rows whose sets are identical,
+    differ only by ties at the top-k boundary, or differ (only these count toward divergence)."""
 
-    METRICS = ("jaccard", "identical")
+    METRICS = ("jaccard", "identical", "tied", "different")
+    LABELS = {"jaccard": "mean Jaccard", "identical": "identical rows", "tied": "tied rows",
+              "different": "different rows"}
 
     def __init__(self, agreement: dict, site: str = "indexer_topk", identical_needed: float | None = None):
         self.agreement, self.site, self.identical_needed = dict(sorted(agreement.items())), site, identical_needed
-        self.choice = W.ToggleButtons(options=["both", *self.METRICS], value="both", description="show")
+        self.choice = W.ToggleButtons(options=["all", *self.METRICS], value="all", description="show")
         self.output = W.Output()
         self.choice.observe(lambda _change: self.redraw(), names="value")
         self.redraw()
         self.widget = W.VBox([self.choice, self.output])
 
     def redraw(self):
-        metrics = self.METRICS if self.choice.value == "both" else (self.choice.value,)
+        metrics = self.METRICS if self.choice.value == "all" else (self.choice.value,)
         show_in(self.output, self.figure(metrics), f"{self.site} overlap")
 
     def figure(self, metrics=METRICS) -> Figure:
@@ -334,11 +340,10 @@ class TopkOverlap:
         width = 0.8 / len(metrics)
         x = np.arange(len(layers))
         for i, metric in enumerate(metrics):
-            heights = [self.agreement[l][metric] if self.agreement[l][metric] is not None else 0.0 for l in layers]
-            ax.bar(x + (i - (len(metrics) - 1) / 2) * width, heights, width,
-                   label="mean Jaccard" if metric == "jaccard" else "identical rows")
-        if self.identical_needed is not None:
-            ax.axhline(self.identical_needed, color="red", linestyle="--", linewidth=1, label="identical needed")
+            heights = [self.agreement[l].get(metric) or 0.0 for l in layers]
+            ax.bar(x + (i - (len(metrics) - 1) / 2) * width, heights, width, label=self.LABELS[metric])
+        if self.identical_needed is not None and "different" in metrics:
+            ax.axhline(1 - self.identical_needed, color="red", linestyle="--", linewidth=1, label="different allowed")
         ax.set_xticks(x, [str(l) for l in layers])
         ax.set_xlim(-1, len(layers))  # keeps a single layer's bars from filling the plot
         ax.set_xlabel("layer")
@@ -374,7 +379,8 @@ class VerdictBanner:
         if first is None:
             return f"PASS: all {len(r.sites)} sites within thresholds"
         if first.kind == "indices":
-            detail = f"identical rows {_fmt(first.identical)} < {r.thresholds.get('identical')} needed"
+            allowed = 1 - r.thresholds.get("identical", 1.0)
+            detail = f"different rows {_fmt(first.different)} > {allowed:.3g} allowed (ties {_fmt(first.tied)})"
         elif first.nan or first.inf:
             detail = f"NaN {first.nan}, Inf {first.inf}"
         else:
@@ -389,6 +395,9 @@ class VerdictBanner:
         lines = [f"{r.path_a} vs {r.path_b}, {r.dtype}, {mode_text(r.mode)}"]
         if r.logprob is not None:
             lines.append(f"train/train_rollout_logprob_abs_diff = {r.logprob.value:.3e}")
+        if getattr(r, "topk_replay", None):
+            lines.append(f"top-k replay: {r.topk_replay}")
+        lines.extend(f"warning: {w}" for w in getattr(r, "warnings", []))
         return lines
 
     @property

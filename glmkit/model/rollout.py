@@ -41,13 +41,16 @@ class SamplingParams:
 @dataclass
 class Completion:
     """tokens and their log-probs; routing (when recorded) {layer: experts [len(prompt) + len(tokens) - 1, k]}
-    = the experts each fed token was routed to (the last sampled token is never fed)."""
+    = the experts each fed token was routed to (the last sampled token is never fed); topk (when
+    recorded) {DSA layer: [same rows, W]} = the positions each fed token's DSA layer selected
+    (sequence-local, -1 empty), for top-k replay in the trainer."""
 
     prompt: list
     tokens: list = field(default_factory=list)
     logprobs: list = field(default_factory=list)
     finish_reason: str = "length"
     routing: dict | None = None
+    topk: dict | None = None
 
 
 @dataclass
@@ -100,22 +103,31 @@ class RolloutEngine:
         return self.model.lm_head(hidden).float()
 
     @torch.no_grad()
-    def generate(self, prompts, params: SamplingParams, seed: int = 0, record_routing: bool = False) -> list[Completion]:
+    def generate(self, prompts, params: SamplingParams, seed: int = 0, record_routing: bool = False,
+                 record_topk: bool = False) -> list[Completion]:
         """Sample a completion for every prompt (batched, different lengths). With record_routing,
-        each completion carries the experts its tokens were routed to (for routing replay)."""
+        each completion carries the experts its tokens were routed to (for routing replay); with
+        record_topk, the DSA positions they selected (for top-k replay)."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("generate needs at least one prompt and every prompt needs at least one token")
         generator = torch.Generator(device=self.model.device).manual_seed(seed)
         capacity = max(len(p) for p in prompts) + params.max_new_tokens
-        done = [Completion(prompt=list(map(int, p)), routing={} if record_routing else None) for p in prompts]
+        done = [Completion(prompt=list(map(int, p)), routing={} if record_routing else None,
+                           topk={} if record_topk else None) for p in prompts]
         starts = torch.tensor([0, *torch.tensor([len(p) for p in prompts]).cumsum(0).tolist()])
+        wanted = {"router_experts": "routing"} if record_routing else {}
+        if record_topk:
+            wanted["indexer_topk"] = "topk"
 
-        def prefill_routes(layer, site, value):
-            if site == "router_experts":
+        def prefill_record(layer, site, value):
+            if site in wanted:
                 for i, c in enumerate(done):
-                    c.routing[layer] = [value[starts[i]:starts[i + 1]].cpu()]
+                    rows = value[starts[i]:starts[i + 1]].cpu()
+                    if site == "indexer_topk":  # packed ids -> positions in the request
+                        rows = torch.where(rows >= 0, rows - int(starts[i]), rows).to(torch.int32)
+                    getattr(c, wanted[site])[layer] = [rows]
 
-        batch, logits = self.prefill(prompts, capacity, record=prefill_routes if record_routing else None)
+        batch, logits = self.prefill(prompts, capacity, record=prefill_record if wanted else None)
         active = torch.ones(len(prompts), dtype=torch.bool, device=logits.device)
         stop = torch.tensor(params.stop_token_ids, dtype=torch.long, device=logits.device)
         for step in range(params.max_new_tokens):
@@ -132,15 +144,17 @@ class RolloutEngine:
                 break
             feeding = active.nonzero().flatten().tolist()
 
-            def step_routes(layer, site, value, feeding=feeding):
-                if site == "router_experts":
+            def step_record(layer, site, value, feeding=feeding):
+                if site in wanted:  # decode selections are cache positions: already request-local
                     for i in feeding:
-                        done[i].routing[layer].append(value[i:i + 1].cpu())
+                        rows = value[i:i + 1].cpu()
+                        getattr(done[i], wanted[site])[layer].append(
+                            rows.to(torch.int32) if site == "indexer_topk" else rows)
 
-            logits = self.step(batch, tokens, record=step_routes if record_routing else None)
-        if record_routing:
-            for c in done:
-                c.routing = {layer: torch.cat(rows) for layer, rows in c.routing.items()}
+            logits = self.step(batch, tokens, record=step_record if wanted else None)
+        for c in done:
+            for field_name in set(wanted.values()):
+                setattr(c, field_name, {layer: torch.cat(rows) for layer, rows in getattr(c, field_name).items()})
         return done
 
 

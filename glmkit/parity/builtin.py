@@ -174,9 +174,11 @@ def kda_error_vs_position(model, sequence, backends: Backends | str | None = Non
 
 
 def index_agreement(result: ParityResult, site: str) -> dict[int, dict]:
-    """Per layer {"jaccard", "identical"} of an index site: "indexer_topk" gives DSA prefill vs decode
-    top-k agreement (train vs rollout), "router_experts" the MoE routing agreement routing replay fixes."""
-    return {r.layer: {"jaccard": r.jaccard, "identical": r.identical} for r in result.sites if r.site == site}
+    """Per layer {"jaccard", "identical", "tied", "different"} of an index site: "indexer_topk" gives
+    DSA prefill vs decode top-k agreement (train vs rollout), "router_experts" the MoE routing
+    agreement routing replay fixes; "tied" rows differ only at an equal-score top-k boundary."""
+    return {r.layer: {"jaccard": r.jaccard, "identical": r.identical, "tied": r.tied, "different": r.different}
+            for r in result.sites if r.site == site}
 
 
 def mhc_residuals(capture: Capture) -> dict[int, dict[str, float]]:

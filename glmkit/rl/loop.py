@@ -64,6 +64,7 @@ class TrainConfig:
     entropy_coef: float = 0.0
     clip_grad: float = 1.0
     enable_r3: bool = False
+    use_rollout_indexer_replay: bool = False
     lora_rank: int = 0
     lora_alpha: float = 16.0
     target_modules: str = "attn,mlp"
@@ -151,6 +152,30 @@ def _restore_optimizer(optimizer, folder: Path, param_groups):
 
 # ------------------------------------------------------------------ the loop
 
+def topk_mismatch(trainer: dict, rollout: dict, scores: dict, mask: torch.Tensor, kpool: int,
+                  dtype: torch.dtype) -> dict:
+    """`train/topk_mismatch_frac`: response tokens x DSA layers whose trainer selection (its own
+    indexer's, even under replay) differs from the rollout's as a set; `train/topk_tie_frac`: those
+    of them that are ties under the trainer's own scores (the differing pools score its top-k boundary
+    and the rollout's set is a top-k of those scores too). None without DSA layers."""
+    from glmkit.parity.compare import TIE_TOLERANCE, compare_indices
+
+    if not rollout:
+        return {"train/topk_mismatch_frac": None, "train/topk_tie_frac": None}
+    rows = mask.nonzero().flatten()
+    tol = TIE_TOLERANCE["float32" if dtype == torch.float32 else "bfloat16"]
+    differ = tied = 0
+    for layer, theirs in rollout.items():
+        ours = trainer[layer].cpu()
+        sc = scores.get(layer)
+        r = compare_indices(theirs.cpu()[rows], ours[rows], layer, "indexer_topk", 0.0,
+                            None if sc is None else sc[rows], None if sc is None else sc[rows], group=kpool, **tol)
+        differ += round((r.tied + r.different) * len(rows))
+        tied += round(r.tied * len(rows))
+    total = max(1, len(rows) * len(rollout))
+    return {"train/topk_mismatch_frac": differ / total, "train/topk_tie_frac": tied / total}
+
+
 class GRPOTrainer:
     def __init__(self, cfg: TrainConfig):
         from glmkit.model import RolloutEngine, TrainPath, load_model
@@ -231,7 +256,7 @@ class GRPOTrainer:
         params = SamplingParams(cfg.rollout_temperature, cfg.rollout_top_p, cfg.rollout_max_response_len,
                                 self.stop_ids)
         completions = self.engine.generate([s.prompt_ids for s in expanded], params, seed=cfg.seed * 100003 + step,
-                                           record_routing=True)
+                                           record_routing=True, record_topk=True)
         rewards = []
         for s, c in zip(expanded, completions):
             text = self.tokenizer.decode(c.tokens, skip_special_tokens=False)
@@ -240,7 +265,8 @@ class GRPOTrainer:
 
     def _pack(self, completions):
         """Packed sequences, per-token sample ids, response mask (rows whose target is a response token),
-        rollout log-probs on those rows, and the rollout's routing per MoE layer (-1 on last rows)."""
+        rollout log-probs on those rows, the rollout's routing per MoE layer and its DSA selections per
+        DSA layer (sequence-local; -1 rows on each sequence's last token, which was never fed)."""
         from glmkit.model.packed import pack
 
         seqs = [c.prompt + c.tokens for c in completions]
@@ -257,23 +283,35 @@ class GRPOTrainer:
             k = completions[0].routing[layer].shape[1]
             rows = [torch.cat([c.routing[layer], torch.full((1, k), -1, dtype=torch.long)]) for c in completions]
             routing[layer] = torch.cat(rows).to(self.policy.device)
-        return input_ids, packed, mask, rollout_logp, routing
+        topk = {}
+        for layer in completions[0].topk or {}:
+            width = max(c.topk[layer].shape[1] for c in completions)
+            rows = [torch.nn.functional.pad(torch.cat([c.topk[layer], torch.full((1, c.topk[layer].shape[1]), -1,
+                                                                                  dtype=torch.int32)]),
+                                            (0, width - c.topk[layer].shape[1]), value=-1) for c in completions]
+            topk[layer] = torch.cat(rows).long()
+        return input_ids, packed, mask, rollout_logp, routing, topk
 
     def step(self, step: int) -> dict:
         cfg = self.cfg
         t0 = time.time()
         samples, completions, rewards = self.rollout(step)
         t_rollout = time.time() - t0
-        input_ids, packed, mask, rollout_logp, routing = self._pack(completions)
+        input_ids, packed, mask, rollout_logp, routing, topk = self._pack(completions)
         n = len(completions)
         sample_of = packed.seq_index.cpu()
         replay = routing if cfg.enable_r3 else None
+        topk_replay = topk if cfg.use_rollout_indexer_replay else None
+        scores = {}
         with torch.no_grad():  # "old" log-probs: the trainer's recompute before the update
-            old = self.train_path.forward(input_ids=input_ids, packed=packed, routing=replay)
+            old = self.train_path.forward(input_ids=input_ids, packed=packed, routing=replay, topk_replay=topk_replay,
+                                          record_scores=bool(topk), record=lambda layer, site, v: scores.__setitem__(
+                                              layer, v.cpu()) if site == "indexer_scores" else None)
             old_logp = old.logprobs.float().cpu()
             ref_logp = (None if self.reference is None else
                         type(self.train_path)(self.reference, cfg.backends)
-                        .forward(input_ids=input_ids, packed=packed, routing=replay).logprobs.float().cpu())
+                        .forward(input_ids=input_ids, packed=packed, routing=replay,
+                                 topk_replay=topk_replay).logprobs.float().cpu())
         metrics = {"step": step}
         metrics["train/train_rollout_logprob_abs_diff"] = grpo.sample_mean(
             (old_logp - rollout_logp).abs(), mask, sample_of, n).item()
@@ -283,6 +321,7 @@ class GRPOTrainer:
                      & mask).sum() for layer in routing]
         metrics["train/routing_mismatch_frac"] = (sum(mismatch).item() / max(1, mask.sum().item() * len(routing))
                                                   if routing else None)
+        metrics.update(topk_mismatch(old.topk, topk, scores, mask, self.policy.config.index_kpool, self.policy.dtype))
         advantages = grpo.group_advantages(rewards, cfg.n_samples_per_prompt)
         adv_tok = advantages[sample_of]
         t1 = time.time()
@@ -291,10 +330,11 @@ class GRPOTrainer:
         minibatches = n // cfg.global_batch_size
         for mb in range(minibatches):
             ids = list(range(mb * cfg.global_batch_size, (mb + 1) * cfg.global_batch_size))
-            sub_in, sub_packed, sub_mask, _, sub_routing = self._pack([completions[i] for i in ids])
+            sub_in, sub_packed, sub_mask, _, sub_routing, sub_topk = self._pack([completions[i] for i in ids])
             sub_rows = torch.cat([torch.arange(*packed.bounds()[i]) for i in ids])
             out = self.train_path.forward(input_ids=sub_in, packed=sub_packed, return_entropy=True,
-                                          routing=sub_routing if cfg.enable_r3 else None)
+                                          routing=sub_routing if cfg.enable_r3 else None,
+                                          topk_replay=sub_topk if cfg.use_rollout_indexer_replay else None)
             sub_of = sub_packed.seq_index
             m = sub_mask.to(out.logprobs.device)
             loss_tok, clipped, kl_tok = grpo.ppo_clip_loss(out.logprobs.float(), old_logp[sub_rows].to(m.device),
