@@ -63,7 +63,7 @@ def test_routing_replay_uses_the_rollouts_experts(tmp_path):
     assert step["train/routing_mismatch_frac"] == 0.0
     # and the trainer's forward really ran on those experts, token for token
     _, completions, _ = replay.rollout(1)
-    input_ids, packed, mask, _, routing = replay._pack(completions)
+    input_ids, packed, mask, _, routing, _ = replay._pack(completions)
     out = replay.train_path.forward(input_ids=input_ids, packed=packed, routing=routing)
     for layer, experts in routing.items():
         rows = mask.nonzero().flatten()
