@@ -32,6 +32,13 @@ def _backend_arguments(p):
                    help="routed experts: loop (reference), grouped (torch._grouped_mm, CUDA bf16) or auto")
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def _dtype(name: str):
     import torch
 
@@ -159,20 +166,35 @@ def cmd_train(args) -> int:
     from glmkit.rl.health import format_table, verdicts
     from glmkit.rl.loop import GRPOTrainer
 
+    from glmkit.rl.health import run_verdict
+    from glmkit.rl.loop import NonFiniteRun, rollout_rows
+
     trainer = GRPOTrainer(_train_config(args))
     cfg = trainer.cfg
+    for note in trainer.notes:
+        print(note)
     if trainer.problems:
         print(f"{cfg.prompt_data}: skipped {len(trainer.problems)} malformed rows (first: {trainer.problems[0]})",
               file=sys.stderr)
     if trainer.lora_names:
         print(f"LoRA rank {cfg.lora_rank}: {len(trainer.lora_names)} projections adapted, "
               f"{sum(p.numel() for p in trainer.trainable)} trainable parameters")
-    history = trainer.run()
-    first, last = history[0] if history else {}, history[-1] if history else {}
-    print(f"rollouts {cfg.num_rollout}: raw_reward {first.get('rollout/raw_reward', float('nan')):.3f} -> "
+    stopped, history = None, []
+    try:
+        trainer.run(on_metrics=history.append)  # rows kept as they come, so a stopped run still reports
+    except NonFiniteRun as err:
+        stopped = str(err)
+        print(f"glmkit train: {stopped}", file=sys.stderr)
+    rollouts = rollout_rows(history)
+    first, last = rollouts[0] if rollouts else {}, rollouts[-1] if rollouts else {}
+    print(f"rollouts {len(rollouts)}: raw_reward {first.get('rollout/raw_reward', float('nan')):.3f} -> "
           f"{last.get('rollout/raw_reward', float('nan')):.3f}; metrics: {cfg.metrics_out}")
     print(format_table(verdicts(history, cfg.model_name)))
-    return 0
+    result = run_verdict(history, cfg.model_name)
+    print(f"run verdict: {result['verdict']}" + "".join(f"\n  - {r}" for r in result["reasons"]))
+    if stopped is not None:
+        return 1
+    return 1 if args.fail_unhealthy and result["verdict"] != "pass" else 0
 
 
 def cmd_lora_prepare(args) -> int:
@@ -299,10 +321,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--label-key", default="label")
         p.add_argument("--rm-type", default="deepscaler", choices=["deepscaler", "math", "dapo"])
         p.add_argument("--on-bad-row", default="skip", choices=["skip", "raise"])
-        p.add_argument("--num-rollout", type=int, default=20)
-        p.add_argument("--rollout-batch-size", type=int, help="prompts per rollout (recipe 8; tiny preset 16)")
-        p.add_argument("--n-samples-per-prompt", type=int, default=8)
-        p.add_argument("--global-batch-size", type=int, help="samples per optimizer step (recipe 64; tiny 32)")
+        p.add_argument("--num-rollout", type=_positive, default=20)
+        p.add_argument("--rollout-batch-size", type=_positive, help="prompts per rollout (recipe 8; tiny preset 16)")
+        p.add_argument("--n-samples-per-prompt", type=_positive, default=8)
+        p.add_argument("--global-batch-size", type=_positive, help="samples per optimizer step (recipe 64; tiny 32)")
         p.add_argument("--rollout-max-response-len", type=int)
         p.add_argument("--rollout-temperature", type=float, default=1.0)
         p.add_argument("--rollout-top-p", type=float, default=1.0)
@@ -327,6 +349,12 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--save", help="checkpoint directory")
         p.add_argument("--save-interval", type=int, default=0)
         p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint under --save")
+        p.add_argument("--overwrite", action="store_true",
+                       help="start over an earlier run's --metrics-out and --save checkpoints (default: refuse)")
+        p.add_argument("--max-nonfinite-steps", type=_positive, default=3,
+                       help="stop after this many optimizer steps in a row with a NaN / Inf loss or grad norm")
+        p.add_argument("--fail-unhealthy", action="store_true",
+                       help="exit 1 when the run verdict is fail (reasons printed)")
 
     p = sub.add_parser("train", help="GRPO on the tiny variant or the 4-layer slice, metrics as JSONL")
     train_arguments(p)

@@ -48,21 +48,26 @@ def notebook_defaults(notebook: Path) -> dict[str, str]:
     return {name: info["default"] for name, info in papermill.inspect_notebook(str(notebook)).items()}
 
 
-def read_verdict(out_dir: Path, since: float) -> str:
+def read_verdict(out_dir: Path, since: float, with_reasons: bool = False):
     """The verdict in out_dir/verdict.json or out_dir/parity.json (the first that this run, started at
-    `since`, wrote), "unknown" when neither was."""
+    `since`, wrote), "unknown" when neither was. With `with_reasons`: (verdict, its reasons and
+    warnings as written there)."""
     for name in VERDICT_FILES:
         path = Path(out_dir) / name
         try:
             if path.stat().st_mtime < since:
                 continue   # left over from an earlier run
-            return str(json.loads(path.read_text()).get("verdict", "unknown"))
-        except (OSError, json.JSONDecodeError, AttributeError):
+            data = json.loads(path.read_text())
+            verdict = str(data.get("verdict", "unknown"))
+            reasons = [str(r) for r in (data.get("reasons") or []) + (data.get("warnings") or [])]
+            return (verdict, reasons) if with_reasons else verdict
+        except (OSError, json.JSONDecodeError, AttributeError, TypeError):
             continue
-    return "unknown"
+    return ("unknown", []) if with_reasons else "unknown"
 
 
-def header_html(name: str, verdict: str, parameters: dict, defaults: dict, started: float, seconds: float) -> str:
+def header_html(name: str, verdict: str, parameters: dict, defaults: dict, started: float, seconds: float,
+                reasons=()) -> str:
     color = VERDICT_COLORS.get(verdict, "#666666")
     rows = []
     for key in dict.fromkeys([*defaults, *parameters]):
@@ -79,10 +84,13 @@ def header_html(name: str, verdict: str, parameters: dict, defaults: dict, start
         found["glmkit"] = f"{__version__} (source)"
     version_text = ", ".join(f"{pkg} {v}" for pkg, v in found.items())
     when = datetime.fromtimestamp(started).astimezone().isoformat(timespec="seconds")
+    reason_list = ("<ul class=\"glmkit-verdict-reasons\">" + "".join(f"<li>{html.escape(r)}</li>" for r in reasons)
+                   + "</ul>") if reasons else ""
     cell = "border:1px solid #ccc;padding:2px 8px;text-align:left"
     return f"""<div id="glmkit-report-header" style="font-family:sans-serif;margin:1em 2em 2em 2em">
 <h1 style="margin:0 0 .4em 0">{html.escape(name)}</h1>
 <div style="background:{color};color:#fff;padding:.5em 1em;font-size:1.3em">verdict: {html.escape(verdict.upper())}</div>
+{reason_list}
 <style>#glmkit-report-header td, #glmkit-report-header th {{{cell}}}</style>
 <h3>parameters</h3>
 <table style="border-collapse:collapse"><tr><th>name</th><th>value</th><th></th></tr>{''.join(rows)}</table>
@@ -133,8 +141,8 @@ def run_notebook(notebook, out_dir, parameters: dict, name: str | None = None) -
     executed = out_dir / f"{name}.ipynb"
     os.replace(running, executed)
     (out_dir / f"{name}.failed.ipynb").unlink(missing_ok=True)  # stale: this run succeeded
-    verdict = read_verdict(out_dir, started)
-    header = header_html(name, verdict, parameters, notebook_defaults(notebook), started, seconds)
+    verdict, reasons = read_verdict(out_dir, started, with_reasons=True)
+    header = header_html(name, verdict, parameters, notebook_defaults(notebook), started, seconds, reasons)
     return write_atomic(out_dir / f"{name}.html", notebook_html(executed, header))
 
 

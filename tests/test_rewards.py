@@ -184,3 +184,48 @@ def test_equivalence_off_the_main_thread():
 
     with ThreadPoolExecutor(1) as pool:
         assert pool.submit(deepscaler, "</think>\\boxed{0.5}", "1/2").result()["score"] == 1.0
+
+
+# ---- the framework's rules (rm_hub), one test each -------------------------------------------
+
+def test_deepscaler_grades_after_the_last_think_end():
+    assert deepscaler(r"<think>a</think> draft \boxed{4} <think>b</think> final \boxed{5}", "5")["score"] == 1.0
+    assert deepscaler(r"<think>a</think> final \boxed{5} <think>b</think> no box", "5")["score"] == 0.0
+
+
+def test_deepscaler_response_marker_without_think_end():
+    assert deepscaler(r"plan ###Response the answer is \boxed{7}", "7")["score"] == 1.0
+    # split("###Response")[1]: only the text up to a second marker is graded
+    assert deepscaler(r"x ###Response \boxed{3} ###Response \boxed{7}", "7")["score"] == 0.0
+    assert deepscaler(r"no markers at all \boxed{7}", "7") == {"score": 0.0, "pred": None}
+
+
+def test_deepscaler_answer_is_the_last_box_from_the_end():
+    assert deepscaler(r"</think> \boxed{3} then \boxed{7}", "7")["score"] == 1.0
+    assert deepscaler(r"</think> \boxed{7} then \boxed{3}", "7")["score"] == 0.0
+
+
+def test_fbox_and_unbraced_boxes_are_located_but_not_unboxed():
+    assert deepscaler(r"</think> \fbox{7}", "7") == {"score": 0.0, "pred": None}
+    assert deepscaler(r"</think> \boxed 7", "7") == {"score": 0.0, "pred": None}
+    assert deepscaler(r"</think> \boxed{7} and finally \boxed 8", "7")["score"] == 0.0  # the last one counts
+    assert math(r"\fbox{7}", "7")["score"] == 0.0 and math(r"\boxed{7}", "7")["score"] == 1.0
+
+
+def test_a_boxed_label_is_unboxed_first():
+    assert deepscaler(r"</think> \boxed{\frac{1}{2}}", r"\boxed{0.5}")["score"] == 1.0
+
+
+def test_dapo_answer_regex_is_case_insensitive_and_allows_space_before_colon():
+    assert dapo("ANSWER : 12", "12")["acc"] and dapo("the answer: 12", "12")["acc"]
+
+
+def test_dapo_removes_end_of_text_markers():
+    for marker in ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "</s>"):
+        assert dapo(f"Answer: 5{marker}", "5") == {"score": 1.0, "acc": True, "pred": "5"}, marker
+
+
+def test_dapo_compares_with_the_label_as_an_integer_string():
+    assert dapo("Answer: 5", "5.0")["acc"] and dapo("Answer: 5", 5)["acc"]
+    assert not dapo("Answer: 5.5", "5.5")["acc"]  # str(int(float("5.5"))) is "5"
+    assert dapo("Answer: 5", "5.5")["acc"]

@@ -1,7 +1,8 @@
 """ipywidgets views over a GRPO run (`glmkit.rl.loop.GRPOTrainer`) and its health check.
 
-- `LiveMetrics`: small multiples, one axis per metric against the rollout step, with the recipe's
-  healthy range shaded where its table has one. `view.update(metrics)` adds a point and redraws the
+- `LiveMetrics`: small multiples, one axis per metric, with the recipe's healthy range shaded where
+  its table has one: `train/*` against the optimizer step (`train/step`, one row per step as the
+  recipe's framework logs them), `rollout/*` and `perf/*` against the rollout. `view.update(metrics)` adds a point and redraws the
   widget in place, so `trainer.run(on_metrics=view.update)` animates it in a live notebook;
   `LiveMetrics.from_jsonl(path)` replays a metrics file.
 - `HealthTable`: the rows of `glmkit.rl.health.verdicts`, coloured per verdict.
@@ -143,6 +144,27 @@ class LiveMetrics:
     def series(self, name: str) -> np.ndarray:
         return np.array([_value(h, name) for h in self.history], dtype=float)
 
+    def points(self, name: str):
+        """(x, y, x of non-finite values) of one metric over the rows that report it: `train/*` at
+        its row's `train/step` when the row has one, everything else at the rollout."""
+        xs, ys, bad = [], [], []
+        for i, h in enumerate(self.history):
+            flagged = name in (h.get("nonfinite") or [])
+            if name not in h and not flagged:
+                continue
+            by_step = name.startswith("train/") and h.get("train/step") is not None
+            x = float(h["train/step"] if by_step else h.get("rollout/step", h.get("step", i)))
+            if flagged or _measured_non_finite(h, name):
+                bad.append(x)
+            elif h.get(name) is not None:
+                xs.append(x)
+                ys.append(_value(h, name))
+        return np.array(xs, dtype=float), np.array(ys, dtype=float), np.array(bad, dtype=float)
+
+    @property
+    def rollouts(self) -> int:
+        return sum("rollout/raw_reward" in h or "train/step" not in h for h in self.history)
+
     def not_applicable(self, name: str) -> str | None:
         return NOT_APPLICABLE.get(self.variant, {}).get(name) or None
 
@@ -153,10 +175,11 @@ class LiveMetrics:
         if not self.history:
             return "no rollouts yet"
         last = self.history[-1]
-        parts = [f"step {last.get('step', len(self.history) - 1)} ({len(self.history)} rollouts)"]
+        parts = [f"step {last.get('step', len(self.history) - 1)} ({self.rollouts} rollouts)"]
         for name in self.metric_names[:4]:
-            value = _value(last, name)
-            parts.append(f"{name} = {value:.4g}" if math.isfinite(value) else f"{name} = {last.get(name)}")
+            holder = next((h for h in reversed(self.history) if name in h), last)  # its latest value
+            value = _value(holder, name)
+            parts.append(f"{name} = {value:.4g}" if math.isfinite(value) else f"{name} = {holder.get(name)}")
         return ", ".join(parts)
 
     def redraw(self):
@@ -178,46 +201,45 @@ class LiveMetrics:
         # a fixed layout: constrained layout would triple the time of every live redraw
         fig.subplots_adjust(left=0.05, right=0.99, top=1 - 0.95 / height, bottom=0.75 / height,
                             wspace=0.32, hspace=0.5)
-        steps = self.steps()
         drawn = set()   # "applicable" / "not applicable": which kinds of band were shaded
         for i, name in enumerate(self.metric_names):
             ax = fig.add_subplot(rows, self.columns, i + 1)
-            values = self.series(name)
+            steps, values, bad_x = self.points(name)
             drawn.add(self._draw_band(ax, name))
             finite = np.isfinite(values)
             if finite.any():
                 ax.plot(steps, values, color=LINE_COLOR, linewidth=1.2, marker="o", markersize=3, gid=SERIES_GID)
                 if name in LOG_METRICS and (values[finite] > 0).all():
                     ax.set_yscale("log")
-            bad = np.array([_measured_non_finite(h, name) for h in self.history], dtype=bool)
             title = name
-            if bad.any():  # NaN / Inf measured (not merely missing): red marks along the bottom
-                ax.plot(steps[bad], np.zeros(int(bad.sum())), linestyle="none", marker="x", color=BAD_COLOR,
+            if len(bad_x):  # NaN / Inf measured (not merely missing): red marks along the bottom
+                ax.plot(bad_x, np.zeros(len(bad_x)), linestyle="none", marker="x", color=BAD_COLOR,
                         transform=ax.get_xaxis_transform(), clip_on=False)
-                title += f"\n{int(bad.sum())} non-finite"
+                title += f"\n{len(bad_x)} non-finite"
             if self.not_applicable(name) and name in self.healthy:
                 title += f"\n(range n/a on {self.variant})"
             if not len(self.history):
                 ax.text(0.5, 0.5, "no rollouts yet", ha="center", va="center", transform=ax.transAxes,
                         color="grey", fontsize=8)
-            elif not finite.any() and not bad.any():
+            elif not finite.any() and not len(bad_x):
                 ax.text(0.5, 0.5, "not measured", ha="center", va="center", transform=ax.transAxes,
                         color="grey", fontsize=8)
             ax.set_title(title, fontsize=8)
             ax.tick_params(labelsize=7)
             ax.yaxis.get_offset_text().set_fontsize(7)
-            ax.set_xlabel("rollout", fontsize=7)
+            per_step = any(h.get("train/step") is not None and name in h for h in self.history)
+            ax.set_xlabel("optimizer step" if per_step else "rollout", fontsize=7)
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-            if len(steps):
-                lo, hi = float(steps.min()), float(steps.max())
-                ax.set_xlim(lo - 0.5, hi + 0.5)
+            xs = np.concatenate([steps, bad_x])
+            if len(xs):
+                ax.set_xlim(float(xs.min()) - 0.5, float(xs.max()) + 0.5)
         handles = [Patch(color=HEALTHY_COLOR, alpha=APPLICABLE_ALPHA, linewidth=0, label=HEALTHY_LABEL)]
         if "not applicable" in drawn:
             handles.append(Patch(color=HEALTHY_COLOR, alpha=NOT_APPLICABLE_ALPHA, linewidth=0,
                                  label=f"{HEALTHY_LABEL}, not applicable on {self.variant}"))
         if drawn - {None}:
             fig.legend(handles=handles, loc="lower center", ncols=len(handles), fontsize=8, frameon=False)
-        fig.suptitle(f"GRPO run ({self.variant}): {len(self.history)} rollouts", fontsize=10)
+        fig.suptitle(f"GRPO run ({self.variant}): {self.rollouts} rollouts", fontsize=10)
         return fig
 
     def _draw_band(self, ax, name) -> str | None:

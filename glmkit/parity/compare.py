@@ -138,20 +138,12 @@ def _side_is_tied(selected: set, scores: torch.Tensor | None, differing: set, at
     return all(p < len(scores) and finite[p] and abs(scores[p].item() - boundary) <= tol for p in differing)
 
 
-def compare_indices(a: torch.Tensor, b: torch.Tensor, layer, site, identical_needed: float,
-                    scores_a: torch.Tensor | None = None, scores_b: torch.Tensor | None = None,
-                    group: int = 1, atol: float = 0.0, rtol: float = 0.0) -> SiteResult:
-    """Rows of ids (-1 empty) compared as sets. With both sides' candidate scores ([rows, candidates],
-    -inf where not a candidate), a differing row is a tie when the ids that differ belong to
-    candidates (id // `group`: pools of `group` tokens, or experts with group 1) that score equal to
-    the top-k boundary on both sides, and each side's selection is a top-k of its own scores."""
-    if len(a) != len(b):
-        raise ValueError(f"site {layer}/{site}: {len(a)} rows vs {len(b)}")
-    jaccards, kinds = [], []
+def classify_rows(a: torch.Tensor, b: torch.Tensor, scores_a=None, scores_b=None, group: int = 1,
+                  atol: float = 0.0, rtol: float = 0.0) -> list[str]:
+    """Per row of ids (-1 empty): "identical" sets, "tied" (see compare_indices) or "different"."""
+    kinds = []
     for r, (row_a, row_b) in enumerate(zip(a.tolist(), b.tolist())):
         sa, sb = {x for x in row_a if x >= 0}, {x for x in row_b if x >= 0}
-        union = sa | sb
-        jaccards.append(len(sa & sb) / len(union) if union else 1.0)
         if sa == sb:
             kinds.append("identical")
             continue
@@ -161,6 +153,24 @@ def compare_indices(a: torch.Tensor, b: torch.Tensor, layer, site, identical_nee
             _side_is_tied(sel, None if sc is None else sc[r], differing, atol, rtol)
             for sel, sc in ((pa, scores_a), (pb, scores_b)))
         kinds.append("tied" if tied else "different")
+    return kinds
+
+
+def compare_indices(a: torch.Tensor, b: torch.Tensor, layer, site, identical_needed: float,
+                    scores_a: torch.Tensor | None = None, scores_b: torch.Tensor | None = None,
+                    group: int = 1, atol: float = 0.0, rtol: float = 0.0) -> SiteResult:
+    """Rows of ids (-1 empty) compared as sets. With both sides' candidate scores ([rows, candidates],
+    -inf where not a candidate), a differing row is a tie when the ids that differ belong to
+    candidates (id // `group`: pools of `group` tokens, or experts with group 1) that score equal to
+    the top-k boundary on both sides, and each side's selection is a top-k of its own scores."""
+    if len(a) != len(b):
+        raise ValueError(f"site {layer}/{site}: {len(a)} rows vs {len(b)}")
+    jaccards = []
+    for row_a, row_b in zip(a.tolist(), b.tolist()):
+        sa, sb = {x for x in row_a if x >= 0}, {x for x in row_b if x >= 0}
+        union = sa | sb
+        jaccards.append(len(sa & sb) / len(union) if union else 1.0)
+    kinds = classify_rows(a, b, scores_a, scores_b, group, atol, rtol)
     n = max(1, len(kinds))
     frac = {k: kinds.count(k) / n for k in ("identical", "tied", "different")}
     jac = torch.tensor(jaccards, dtype=torch.float64)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 # From the validation run in miles#2786 (16 nodes x 4 GB300, DAPO on DAPO-Math-17k).
 HEALTHY_FULL = {
     "train/train_rollout_logprob_abs_diff": {"range": (0.0068, 0.0106), "lower_is_better": True,
@@ -80,3 +82,44 @@ def format_table(rows: list[dict]) -> str:
     for r in rows:
         lines.append(f"{r['metric']:40s} {r['expected']:28s} {str(r['observed']):28s} {r['verdict']} ({r['why']})")
     return "\n".join(lines)
+
+
+# What "the reward rose" means for a run's verdict: the mean of the last RISE_LAST rollouts above the
+# mean of the first RISE_FIRST (the two windows must not overlap, so a run needs 8 or more rollouts).
+RISE_FIRST, RISE_LAST = 3, 5
+
+
+def run_verdict(history: list[dict], variant: str) -> dict:
+    """The verdict of a GRPO run with its reasons, from its metric rows (train and rollout rows mixed,
+    as `GRPOTrainer.run` writes them): "pass" when every optimizer step's loss and gradient norm were
+    finite, the raw reward rose (mean of the last 5 rollouts above the mean of the first 3; 8 or more
+    rollouts), and no metric of the recipe's table that applies to `variant` is outside its range.
+    -> {"verdict", "reasons": [...], "raw_reward_start", "raw_reward_end", "raw_reward",
+        "grad_norms_finite", "skipped_steps", "health": verdicts(...)}"""
+    rewards = [h["rollout/raw_reward"] for h in history if h.get("rollout/raw_reward") is not None]
+    steps = [h for h in history if "train/step" in h]
+    skipped = sum(bool(h.get("train/step_skipped")) for h in steps)
+    finite = bool(steps) and not skipped and all(
+        "train/grad_norm" not in h.get("nonfinite", []) and h.get("train/grad_norm") is not None
+        and math.isfinite(h["train/grad_norm"]) for h in steps)
+    first, last = rewards[:RISE_FIRST], rewards[-RISE_LAST:]
+    start = sum(first) / len(first) if first else math.nan
+    end = sum(last) / len(last) if last else math.nan
+    health = verdicts(history, variant)
+    reasons = []
+    if not steps:
+        reasons.append("no optimizer step was taken")
+    elif not finite:
+        reasons.append(f"{skipped} optimizer step(s) had a NaN / Inf loss or gradient norm and were skipped")
+    if len(rewards) < RISE_FIRST + RISE_LAST:
+        reasons.append(f"{len(rewards)} rollouts: too few to judge a rise (the first {RISE_FIRST} and the last "
+                       f"{RISE_LAST} must not overlap; run {RISE_FIRST + RISE_LAST} or more)")
+    elif not end > start:
+        reasons.append(f"raw reward did not rise: mean of the first {RISE_FIRST} {start:.3f}, "
+                       f"of the last {RISE_LAST} {end:.3f}")
+    for row in health:
+        if row["verdict"] == "outside":
+            reasons.append(f"{row['metric']} outside the recipe's range {row['expected']}: {row['why']}")
+    return {"verdict": "fail" if reasons else "pass", "reasons": reasons, "raw_reward_start": start,
+            "raw_reward_end": end, "raw_reward": rewards, "grad_norms_finite": finite, "skipped_steps": skipped,
+            "health": health}

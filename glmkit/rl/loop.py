@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -49,6 +50,7 @@ class TrainConfig:
     apply_chat_template: bool = True
     rm_type: str = "deepscaler"
     on_bad_row: str = "skip"
+    prompt_pool: int | None = None          # train on the first N prompts of the shuffled data only
     num_rollout: int = 20
     rollout_batch_size: int | None = None   # recipe: 8
     n_samples_per_prompt: int = 8
@@ -65,6 +67,7 @@ class TrainConfig:
     clip_grad: float = 1.0
     enable_r3: bool = False
     use_rollout_indexer_replay: bool = False
+    max_nonfinite_steps: int = 3
     lora_rank: int = 0
     lora_alpha: float = 16.0
     target_modules: str = "attn,mlp"
@@ -77,6 +80,7 @@ class TrainConfig:
     save: str | None = None
     save_interval: int = 0
     resume: bool = False
+    overwrite: bool = False
     progress: bool = True
 
     def resolved(self) -> "TrainConfig":
@@ -97,6 +101,15 @@ class TrainConfig:
             raise ValueError(f"--kl-loss-type {cfg.kl_loss_type!r}; allowed: {', '.join(grpo.KL_TYPES)}")
         if cfg.save_interval and not cfg.save:
             raise ValueError("--save-interval needs --save DIR")
+        if cfg.resume and cfg.overwrite:
+            raise ValueError("--resume continues a run and --overwrite replaces it: give one of them")
+        if cfg.rollout_temperature <= 0:
+            raise ValueError(f"--rollout-temperature {cfg.rollout_temperature}: GRPO needs > 0 (log-probs are "
+                             f"those of softmax(logits / T))")
+        for name in ("num_rollout", "rollout_batch_size", "n_samples_per_prompt", "global_batch_size",
+                     "max_nonfinite_steps"):
+            if getattr(cfg, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
         return cfg
 
 
@@ -141,6 +154,63 @@ def _latest(cfg) -> Path | None:
     return Path(cfg.save) / f"iter_{int(marker.read_text().strip()):07d}"
 
 
+def _claim_outputs(cfg) -> list[str]:
+    """Refuse to start over an earlier run's metrics or checkpoints unless told to; with --overwrite,
+    clear what glmkit wrote there (the metrics file, iter_* and the latest marker). -> notes to print."""
+    metrics = Path(cfg.metrics_out)
+    save = Path(cfg.save) if cfg.save else None
+    checkpoints = sorted(save.glob("iter_*")) + [m for m in [save / "latest_checkpointed_iteration.txt"]
+                                                  if m.exists()] if save is not None and save.is_dir() else []
+    if cfg.resume:
+        return []
+    if not cfg.overwrite:
+        if metrics.exists():
+            raise ValueError(f"{metrics} already holds a run's metrics: pass --resume to continue that run, or "
+                             f"--overwrite to replace it")
+        if checkpoints:
+            raise ValueError(f"{save} already holds checkpoints ({checkpoints[-1].name}, ...): pass --resume to "
+                             f"continue that run, or --overwrite to replace them")
+        return []
+    notes = []
+    if metrics.exists():
+        metrics.unlink()
+        notes.append(f"--overwrite: removed the earlier metrics {metrics}")
+    for path in checkpoints:
+        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    if checkpoints:
+        notes.append(f"--overwrite: removed {len(checkpoints)} earlier checkpoint entries under {save}")
+    return notes
+
+
+def _truncate_metrics(path: Path, start_step: int) -> list[str]:
+    """On resume, cut the metrics stream back to the rollouts the checkpoint covers (rows of rollout
+    >= start_step would be written again); the cut rows go to a side file, never lost."""
+    if not path.exists():
+        return []
+    keep, drop = [], []
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:  # a half-written last line of a killed run
+            drop.append(line)
+            continue
+        (drop if row.get("step", -1) >= start_step else keep).append(line)
+    if not drop:
+        return []
+    side = path.with_name(f"{path.name}.dropped-{time.strftime('%Y%m%d-%H%M%S')}")
+    n = 1
+    while side.exists():
+        side, n = path.with_name(f"{path.name}.dropped-{time.strftime('%Y%m%d-%H%M%S')}-{n}"), n + 1
+    side.write_text("\n".join(drop) + "\n")
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(line + "\n" for line in keep))
+    os.replace(tmp, path)
+    return [f"--resume: the checkpoint covers rollouts < {start_step}; moved {len(drop)} later metric rows of "
+            f"{path} to {side}"]
+
+
 def _restore_optimizer(optimizer, folder: Path, param_groups):
     tensors = load_file(str(folder / "optimizer.safetensors"))
     state = {}
@@ -152,28 +222,27 @@ def _restore_optimizer(optimizer, folder: Path, param_groups):
 
 # ------------------------------------------------------------------ the loop
 
-def topk_mismatch(trainer: dict, rollout: dict, scores: dict, mask: torch.Tensor, kpool: int,
-                  dtype: torch.dtype) -> dict:
-    """`train/topk_mismatch_frac`: response tokens x DSA layers whose trainer selection (its own
-    indexer's, even under replay) differs from the rollout's as a set; `train/topk_tie_frac`: those
-    of them that are ties under the trainer's own scores (the differing pools score its top-k boundary
-    and the rollout's set is a top-k of those scores too). None without DSA layers."""
-    from glmkit.parity.compare import TIE_TOLERANCE, compare_indices
+def topk_row_kinds(trainer: dict, rollout: dict, scores: dict, mask: torch.Tensor, kpool: int,
+                   dtype: torch.dtype):
+    """Per token, summed over DSA layers: (differs, ties) [T] int64. A response token's trainer
+    selection (its own indexer's, even under replay) differs from the rollout's when the sets
+    differ; a tie when, under the trainer's own scores, the differing pools score its top-k
+    boundary and the rollout's set is a top-k too. None without DSA layers."""
+    from glmkit.parity.compare import TIE_TOLERANCE, classify_rows
 
     if not rollout:
-        return {"train/topk_mismatch_frac": None, "train/topk_tie_frac": None}
+        return None
     rows = mask.nonzero().flatten()
     tol = TIE_TOLERANCE["float32" if dtype == torch.float32 else "bfloat16"]
-    differ = tied = 0
+    differs = torch.zeros(len(mask), dtype=torch.long)
+    ties = torch.zeros(len(mask), dtype=torch.long)
     for layer, theirs in rollout.items():
-        ours = trainer[layer].cpu()
         sc = scores.get(layer)
-        r = compare_indices(theirs.cpu()[rows], ours[rows], layer, "indexer_topk", 0.0,
-                            None if sc is None else sc[rows], None if sc is None else sc[rows], group=kpool, **tol)
-        differ += round((r.tied + r.different) * len(rows))
-        tied += round(r.tied * len(rows))
-    total = max(1, len(rows) * len(rollout))
-    return {"train/topk_mismatch_frac": differ / total, "train/topk_tie_frac": tied / total}
+        sc = None if sc is None else sc[rows]
+        kinds = classify_rows(theirs.cpu()[rows], trainer[layer].cpu()[rows], sc, sc, kpool, **tol)
+        differs[rows] += torch.tensor([k != "identical" for k in kinds], dtype=torch.long)
+        ties[rows] += torch.tensor([k == "tied" for k in kinds], dtype=torch.long)
+    return differs, ties
 
 
 class GRPOTrainer:
@@ -184,12 +253,15 @@ class GRPOTrainer:
         from glmkit.rl.tokenizer import load_tokenizer
 
         self.cfg = cfg = cfg.resolved()
+        self.notes = _claim_outputs(cfg)  # before anything slow: a refused run fails at once
         dtype = getattr(torch, cfg.dtype)
         self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.checkpoint)
         self.samples, self.problems = load_prompts(cfg.prompt_data, cfg.input_key, cfg.label_key, self.tokenizer,
                                                    cfg.apply_chat_template, cfg.seed, cfg.on_bad_row)
         if not self.samples:
             raise ValueError(f"{cfg.prompt_data}: no usable prompts")
+        if cfg.prompt_pool:
+            self.samples = self.samples[:cfg.prompt_pool]
         self.policy = load_model(cfg.checkpoint, dtype, cfg.device)
         self.lora_names = []
         if cfg.lora_rank:
@@ -203,9 +275,11 @@ class GRPOTrainer:
         self.reference = self._copy_trainable(self.policy).eval() if cfg.kl_loss_coef else None
         self.trainable = [p for p in self.policy.parameters() if p.requires_grad]
         self.optimizer = torch.optim.Adam(self.trainable, lr=cfg.lr)
-        self.start_step = 0
+        self.start_step, self.nonfinite_streak = 0, 0
         if cfg.resume and (latest := _latest(cfg)) is not None:
             self._resume(latest)
+        if cfg.resume:
+            self.notes += _truncate_metrics(Path(cfg.metrics_out), self.start_step)
         self.stop_ids = [t for t in (self.tokenizer.eos_token_id,) if t is not None]
 
     @staticmethod
@@ -292,7 +366,11 @@ class GRPOTrainer:
             topk[layer] = torch.cat(rows).long()
         return input_ids, packed, mask, rollout_logp, routing, topk
 
-    def step(self, step: int) -> dict:
+    def step(self, step: int) -> list[dict]:
+        """One rollout and its optimizer steps -> the metric rows, as the recipe's framework logs them:
+        one `train/*` row per optimizer step (`train/step` = rollout x steps per rollout + step id,
+        each row's metrics over that step's samples), then one `rollout/*` + `perf/*` row
+        (`rollout/step`). Every row also carries `step` (the rollout), for readers of either kind."""
         cfg = self.cfg
         t0 = time.time()
         samples, completions, rewards = self.rollout(step)
@@ -304,35 +382,46 @@ class GRPOTrainer:
         topk_replay = topk if cfg.use_rollout_indexer_replay else None
         scores = {}
         with torch.no_grad():  # "old" log-probs: the trainer's recompute before the update
+            # log-probs of softmax(logits / T): the distribution the rollout sampled from
             old = self.train_path.forward(input_ids=input_ids, packed=packed, routing=replay, topk_replay=topk_replay,
+                                          temperature=cfg.rollout_temperature,
                                           record_scores=bool(topk), record=lambda layer, site, v: scores.__setitem__(
                                               layer, v.cpu()) if site == "indexer_scores" else None)
             old_logp = old.logprobs.float().cpu()
             ref_logp = (None if self.reference is None else
                         type(self.train_path)(self.reference, cfg.backends)
-                        .forward(input_ids=input_ids, packed=packed, routing=replay,
-                                 topk_replay=topk_replay).logprobs.float().cpu())
-        metrics = {"step": step}
-        metrics["train/train_rollout_logprob_abs_diff"] = grpo.sample_mean(
-            (old_logp - rollout_logp).abs(), mask, sample_of, n).item()
-        metrics["train/train_rollout_kl"] = grpo.sample_mean(
-            grpo.kl_estimate(rollout_logp, old_logp, "low_var_kl"), mask, sample_of, n).item()
-        mismatch = [((old.routing[layer].sort(-1).values.cpu() != routing[layer].sort(-1).values.cpu()).any(-1)
-                     & mask).sum() for layer in routing]
-        metrics["train/routing_mismatch_frac"] = (sum(mismatch).item() / max(1, mask.sum().item() * len(routing))
-                                                  if routing else None)
-        metrics.update(topk_mismatch(old.topk, topk, scores, mask, self.policy.config.index_kpool, self.policy.dtype))
+                        .forward(input_ids=input_ids, packed=packed, routing=replay, topk_replay=topk_replay,
+                                 temperature=cfg.rollout_temperature).logprobs.float().cpu())
+        # per token, once; each optimizer step's row reduces them over its own samples
+        abs_diff = (old_logp - rollout_logp).abs()
+        rollout_kl = grpo.kl_estimate(rollout_logp, old_logp, "low_var_kl")
+        routing_differs = sum((old.routing[layer].sort(-1).values.cpu() != routing[layer].sort(-1).values.cpu())
+                              .any(-1).long() for layer in routing) if routing else None
+        topk_kinds = topk_row_kinds(old.topk, topk, scores, mask, self.policy.config.index_kpool, self.policy.dtype)
         advantages = grpo.group_advantages(rewards, cfg.n_samples_per_prompt)
         adv_tok = advantages[sample_of]
         t1 = time.time()
-        sums = {"pg_loss": 0.0, "pg_clipfrac": 0.0, "ppo_kl": 0.0, "entropy_loss": 0.0, "kl_loss": 0.0,
-                "grad_norm": 0.0}
+        rows = []
         minibatches = n // cfg.global_batch_size
         for mb in range(minibatches):
             ids = list(range(mb * cfg.global_batch_size, (mb + 1) * cfg.global_batch_size))
             sub_in, sub_packed, sub_mask, _, sub_routing, sub_topk = self._pack([completions[i] for i in ids])
             sub_rows = torch.cat([torch.arange(*packed.bounds()[i]) for i in ids])
+            row = {"train/step": step * minibatches + mb, "rollout/step": step, "step": step}
+            sub_of_cpu = sub_packed.seq_index.cpu()
+            row["train/train_rollout_logprob_abs_diff"] = grpo.sample_mean(
+                abs_diff[sub_rows], sub_mask, sub_of_cpu, len(ids)).item()
+            row["train/train_rollout_kl"] = grpo.sample_mean(rollout_kl[sub_rows], sub_mask, sub_of_cpu, len(ids)).item()
+            responses = int(sub_mask.sum())
+            if routing_differs is not None:
+                row["train/routing_mismatch_frac"] = (routing_differs[sub_rows][sub_mask].sum().item()
+                                                      / max(1, responses * len(routing)))
+            if topk_kinds is not None:
+                differs, ties = (k[sub_rows][sub_mask].sum().item() for k in topk_kinds)
+                row["train/topk_mismatch_frac"] = differs / max(1, responses * len(topk))
+                row["train/topk_tie_frac"] = ties / max(1, responses * len(topk))
             out = self.train_path.forward(input_ids=sub_in, packed=sub_packed, return_entropy=True,
+                                          temperature=cfg.rollout_temperature,
                                           routing=sub_routing if cfg.enable_r3 else None,
                                           topk_replay=sub_topk if cfg.use_rollout_indexer_replay else None)
             sub_of = sub_packed.seq_index
@@ -340,62 +429,97 @@ class GRPOTrainer:
             loss_tok, clipped, kl_tok = grpo.ppo_clip_loss(out.logprobs.float(), old_logp[sub_rows].to(m.device),
                                                           adv_tok[sub_rows].to(m.device), cfg.eps_clip, cfg.eps_clip_high)
             pg_loss = grpo.sample_mean(loss_tok, m, sub_of, len(ids))
-            entropy = grpo.sample_mean(out.entropy, m, sub_of, len(ids))
+            entropy = grpo.sample_mean(out.entropy, m, sub_of, len(ids))  # of softmax(logits / T)
             loss = pg_loss - cfg.entropy_coef * entropy
+            row["train/entropy_loss"] = entropy.item()
             if self.reference is not None:
                 kl = grpo.sample_mean(grpo.kl_estimate(out.logprobs, ref_logp[sub_rows].to(m.device), cfg.kl_loss_type),
                                       m, sub_of, len(ids))
                 loss = loss + cfg.kl_loss_coef * kl
-                sums["kl_loss"] += kl.item()
+                row["train/kl_loss"] = kl.item()
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, cfg.clip_grad)
-            self.optimizer.step()
-            sums["pg_loss"] += pg_loss.item()
-            sums["pg_clipfrac"] += grpo.sample_mean(clipped, m, sub_of, len(ids)).item()
-            sums["ppo_kl"] += grpo.sample_mean(kl_tok, m, sub_of, len(ids)).item()
-            sums["entropy_loss"] += entropy.item()
-            sums["grad_norm"] += grad_norm.item()
+            row["train/pg_loss"] = pg_loss.item()
+            row["train/grad_norm"] = grad_norm.item()
+            if math.isfinite(row["train/pg_loss"]) and math.isfinite(row["train/grad_norm"]) and \
+                    math.isfinite(loss.item()):
+                self.optimizer.step()
+                self.nonfinite_streak = 0
+            else:  # a NaN / Inf update would poison the weights and crash the next sampling
+                self.optimizer.zero_grad(set_to_none=True)
+                self.nonfinite_streak += 1
+                row["train/step_skipped"] = True
+            row["train/pg_clipfrac"] = grpo.sample_mean(clipped, m, sub_of, len(ids)).item()
+            row["train/ppo_kl"] = grpo.sample_mean(kl_tok, m, sub_of, len(ids)).item()
+            rows.append(row)
         self.sync()
         t_train = time.time() - t1
-        for key, total in sums.items():
-            if key != "kl_loss" or self.reference is not None:
-                metrics[f"train/{key}"] = total / minibatches
         lengths = torch.tensor([len(c.tokens) for c in completions], dtype=torch.float32)
-        metrics["rollout/raw_reward"] = rewards.mean().item()
-        metrics["rollout/response_lengths"] = lengths.mean().item()
-        metrics["rollout/truncated"] = sum(c.finish_reason == "length" for c in completions) / n
         tokens = int(packed.num_tokens)
-        metrics["perf/rollout_time"] = t_rollout
-        metrics["perf/train_time"] = t_train
-        metrics["perf/tokens_per_s"] = tokens / max(1e-9, t_rollout + t_train)
-        metrics["perf/step_time"] = time.time() - t0
+        summary = {"rollout/step": step, "step": step, "rollout/raw_reward": rewards.mean().item(),
+                   "rollout/response_lengths": lengths.mean().item(),
+                   "rollout/truncated": sum(c.finish_reason == "length" for c in completions) / n,
+                   "perf/rollout_time": t_rollout, "perf/train_time": t_train,
+                   "perf/tokens_per_s": tokens / max(1e-9, t_rollout + t_train), "perf/step_time": time.time() - t0}
         if self.policy.device.type == "cuda":
-            metrics["perf/max_memory_allocated_gib"] = torch.cuda.max_memory_allocated(self.policy.device) / 2**30
-        return metrics
+            summary["perf/max_memory_allocated_gib"] = torch.cuda.max_memory_allocated(self.policy.device) / 2**30
+        rows.append(summary)
+        return rows
 
     def run(self, on_metrics=None) -> list[dict]:
+        """Every rollout from `start_step` to `num_rollout`: its rows appended to `metrics_out` as they
+        happen and passed to `on_metrics(row)`. Stops (raising NonFiniteRun, after writing) when
+        `max_nonfinite_steps` optimizer steps in a row had a NaN / Inf loss or gradient."""
         cfg = self.cfg
         out = Path(cfg.metrics_out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        if not cfg.resume and out.exists():
-            out.unlink()  # a fresh run starts a fresh stream
         history = []
         steps = range(self.start_step, cfg.num_rollout)
         bar = tqdm(steps, desc="GRPO", unit="rollout", disable=not cfg.progress)
         with out.open("a") as stream:
             for step in bar:
-                metrics = self.step(step)
-                stream.write(json.dumps(metrics) + "\n")
-                stream.flush()  # a crash loses nothing already measured
-                history.append(metrics)
-                bar.set_postfix(reward=f"{metrics['rollout/raw_reward']:.3f}",
-                                diff=f"{metrics['train/train_rollout_logprob_abs_diff']:.1e}")
-                if on_metrics is not None:
-                    on_metrics(metrics)
+                rows = self.step(step)
+                for row in rows:
+                    row = json_row(row)
+                    stream.write(json.dumps(row, allow_nan=False) + "\n")
+                    stream.flush()  # a crash loses nothing already measured
+                    history.append(row)
+                    if on_metrics is not None:
+                        on_metrics(row)
+                last_train = next((r for r in reversed(rows) if "train/step" in r), {})
+                bar.set_postfix(reward=f"{rows[-1]['rollout/raw_reward']:.3f}",
+                                diff=f"{last_train.get('train/train_rollout_logprob_abs_diff') or 0:.1e}")
                 if cfg.save_interval and (step + 1) % cfg.save_interval == 0:
                     _save_checkpoint(cfg, step, self.policy, self.optimizer, self.lora_names)
+                if self.nonfinite_streak >= cfg.max_nonfinite_steps:
+                    raise NonFiniteRun(f"stopped after rollout {step}: {self.nonfinite_streak} optimizer steps in a row "
+                                       f"had a NaN / Inf loss or gradient norm (each was skipped; see "
+                                       f"train/step_skipped in {out})")
         return history
+
+
+class NonFiniteRun(RuntimeError):
+    """Too many consecutive optimizer steps with a NaN / Inf loss or gradient."""
+
+
+def json_row(row: dict) -> dict:
+    """A metric row as valid JSON: a NaN / Inf value becomes null and its name is listed under
+    `nonfinite` (so a reader tells "diverged" from "not measured")."""
+    bad = [k for k, v in row.items() if isinstance(v, float) and not math.isfinite(v)]
+    if not bad:
+        return row
+    return {**{k: (None if k in bad else v) for k, v in row.items()}, "nonfinite": bad}
+
+
+def rollout_rows(history: list[dict]) -> list[dict]:
+    """The once-per-rollout rows (rollout/*, perf/*) of a metrics stream."""
+    return [h for h in history if "rollout/raw_reward" in h]
+
+
+def train_rows(history: list[dict]) -> list[dict]:
+    """The once-per-optimizer-step rows (train/*) of a metrics stream."""
+    return [h for h in history if "train/step" in h]
 
 
 def read_metrics(path) -> list[dict]:

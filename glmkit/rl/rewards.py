@@ -1,10 +1,16 @@
 """Rule-based rewards with the recipe framework's `--rm-type` semantics.
 
-- `deepscaler`: the response must contain `</think>`; the last `\\boxed{...}` after it is graded
-  against the label by symbolic / numeric equivalence (math-verify). Score 1.0 or 0.0.
-- `math`: the last `\\boxed{...}` anywhere in the response, graded the same way. Score 1.0 or 0.0.
-- `dapo`: the last `Answer: ...` within the final 300 characters, normalised and compared with the
-  integer label as a string. Score +1.0 or -1.0.
+- `deepscaler`: graded text = what follows the last `</think>`; without one, what follows the first
+  `###Response` up to the next (`split("###Response")[1]`); without either the score is 0. Its
+  answer is the last `\\boxed{...}` (found from the end; a last box without braces, `\\boxed 5`, or an
+  `\\fbox{...}` where there is no `\\boxed` at all is located but not unboxed: no answer), graded
+  against the label (itself unboxed when it is `\\boxed{..}`) by symbolic / numeric equivalence
+  (math-verify). Score 1.0 or 0.0.
+- `math`: the same answer rule over the whole response. Score 1.0 or 0.0.
+- `dapo`: in the final 300 characters, the last match of `(?i)Answer\s*:\s*([^\n]+)`, end-of-text
+  markers (`<|endoftext|>`, `<|im_end|>`, any `<|...|>` token, `</s>`) removed, normalised, and
+  compared with the label as `str(int(float(label)))` (the label's normal form when it is not a
+  number). Score +1.0 or -1.0.
 
 `glmkit reward --rm-type T --label L` scores one response read from stdin (see `main`).
 """
@@ -18,6 +24,7 @@ import sys
 import threading
 
 THINK_END = "</think>"
+RESPONSE_MARK = "###Response"
 DAPO_WINDOW = 300  # DAPO only looks at the tail of a response
 BOX_COMMANDS = ("\\boxed", "\\fbox")
 
@@ -61,6 +68,19 @@ def last_boxed(text: str) -> str | None:
         # `\boxed 5`: the argument runs to the next whitespace or math delimiter
         return re.match(r"[^\s$]*", stripped).group(0) or None
     return None  # e.g. `\boxedfoo` is another command, or nothing follows
+
+
+def framework_boxed(text: str) -> str | None:
+    """The framework's answer rule: the content of the last `\\boxed{...}`. The last `\\boxed` is
+    found from the end (an `\\fbox` only when there is no `\\boxed`); only a braced box unboxes, so
+    `\\boxed 5`, an `\\fbox{...}` and an unterminated box give None."""
+    start = text.rfind("\\boxed")
+    if start < 0:
+        return None  # an \fbox would be located here, but the framework cannot unbox it
+    after = start + len("\\boxed")
+    if not text.startswith("{", after):
+        return None
+    return _braced_content(text, after)
 
 
 # ----------------------------------------------------------------------------- equivalence
@@ -125,19 +145,30 @@ def is_equivalent(pred: str | None, label) -> bool:
 
 # ----------------------------------------------------------------------------- the rewards
 
+def _label_answer(label) -> str:
+    """A label that is itself `\\boxed{..}` is unboxed first."""
+    label = str(label)
+    return framework_boxed(label) if label.strip().startswith("\\boxed{") else label
+
+
 def deepscaler(response: str, label) -> dict:
-    """1.0 when the last `\\boxed{}` after the first `</think>` equals the label, else 0.0.
-    A response that never closes its thinking scores 0 (a box inside the thinking is ignored)."""
-    if THINK_END not in response:
+    """1.0 when the answer (`framework_boxed`) of the text after the last `</think>` (or, without one,
+    of `response.split("###Response")[1]`) equals the label, else 0.0; 0.0 without either marker (a
+    box inside unfinished thinking is ignored)."""
+    if THINK_END in response:
+        graded = response.rsplit(THINK_END, 1)[1]
+    elif RESPONSE_MARK in response:
+        graded = response.split(RESPONSE_MARK)[1]
+    else:
         return {"score": 0.0, "pred": None}
-    pred = last_boxed(response.split(THINK_END, 1)[1])
-    return {"score": float(is_equivalent(pred, label)), "pred": pred}
+    pred = framework_boxed(graded)
+    return {"score": float(is_equivalent(pred, _label_answer(label))), "pred": pred}
 
 
 def math(response: str, label) -> dict:
-    """1.0 when the last `\\boxed{}` anywhere in the response equals the label, else 0.0."""
-    pred = last_boxed(response)
-    return {"score": float(is_equivalent(pred, label)), "pred": pred}
+    """1.0 when the answer (`framework_boxed`) of the whole response equals the label, else 0.0."""
+    pred = framework_boxed(response)
+    return {"score": float(is_equivalent(pred, _label_answer(label))), "pred": pred}
 
 
 # DAPO-style normalisation: what a model writes around an integer that does not change it.
@@ -176,12 +207,26 @@ def normalize_dapo_answer(answer: str) -> str:
     return answer
 
 
+_DAPO_ANSWER = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")
+_END_MARKERS = re.compile(r"<\|[^|<>\s]*\|>|</s>")  # <|endoftext|>, <|im_end|>, <|eot_id|>, </s>
+
+
+def dapo_label(label) -> str:
+    """The label as the framework compares it: `str(int(float(label)))`, or its normal form when it
+    is not a number."""
+    try:
+        return str(int(float(str(label))))
+    except (ValueError, OverflowError):
+        return normalize_dapo_answer(str(label))
+
+
 def dapo(response: str, label) -> dict:
-    """+1.0 when the last `Answer:` in the final 300 characters matches the integer label after
-    normalisation, else -1.0. `pred` is "" when there is no `Answer:` in the window."""
-    matches = re.findall(r"Answer:\s*(.*)", response[-DAPO_WINDOW:])
-    pred = normalize_dapo_answer(matches[-1]) if matches else ""
-    acc = bool(pred) and pred == normalize_dapo_answer(str(label))
+    """+1.0 when the last `Answer:` (any case, spaces before the colon allowed) in the final 300
+    characters matches the label after removing end-of-text markers and normalising, else -1.0.
+    `pred` is "" when there is no `Answer:` in the window."""
+    matches = _DAPO_ANSWER.findall(response[-DAPO_WINDOW:])
+    pred = normalize_dapo_answer(_END_MARKERS.sub("", matches[-1])) if matches else ""
+    acc = bool(pred) and pred == dapo_label(label)
     return {"score": 1.0 if acc else -1.0, "acc": acc, "pred": pred}
 
 
