@@ -41,6 +41,6 @@ for run in $RUNS; do
   $GLMKIT lora train --model-name GLM-5.3-Flash-4layer --checkpoint "$CKPT" "${data_args[@]}" \
     --device cuda --dtype bfloat16 --kda-backend "$backend" $extra \
     --num-rollout "$NUM_ROLLOUT" --rollout-batch-size 4 --n-samples-per-prompt 4 --global-batch-size 8 \
-    --rollout-max-response-len 32 --lora-rank 8 --metrics-out "$OUT/metrics_$tag.jsonl"
+    --rollout-max-response-len 32 --lora-rank 8 --metrics-out "$OUT/metrics_$tag.jsonl" --overwrite
   echo "run $backend ${extra:-}: $(( $(date +%s) - start )) s including load and first compiles"
 done

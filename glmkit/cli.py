@@ -321,6 +321,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--label-key", default="label")
         p.add_argument("--rm-type", default="deepscaler", choices=["deepscaler", "math", "dapo"])
         p.add_argument("--on-bad-row", default="skip", choices=["skip", "raise"])
+        p.add_argument("--prompt-pool", type=_positive,
+                       help="train on the first N prompts of the shuffled data only (tiny preset: 32)")
         p.add_argument("--num-rollout", type=_positive, default=20)
         p.add_argument("--rollout-batch-size", type=_positive, help="prompts per rollout (recipe 8; tiny preset 16)")
         p.add_argument("--n-samples-per-prompt", type=_positive, default=8)

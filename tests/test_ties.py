@@ -180,7 +180,7 @@ def test_grpo_topk_replay_follows_the_rollout_through_ties(tmp_path, monkeypatch
     (< 1e-5, as the tiny run's)."""
     from glmkit.model import indexer as indexer_module
     from glmkit.model.indexer import LightningIndexer
-    from glmkit.rl.loop import ASSETS, GRPOTrainer, TrainConfig
+    from glmkit.rl.loop import ASSETS, GRPOTrainer, TrainConfig, train_rows
 
     path = reference_checkpoint(variant_config("tiny", **TIE_CONFIGS["heads2-kpool2-shared"]), seed=11,
                                 path=tmp_path / "ck")
@@ -203,7 +203,7 @@ def test_grpo_topk_replay_follows_the_rollout_through_ties(tmp_path, monkeypatch
                           num_rollout=1, rollout_batch_size=4, n_samples_per_prompt=4, global_batch_size=16,
                           rollout_max_response_len=24, enable_r3=True, use_rollout_indexer_replay=replay,
                           metrics_out=str(tmp_path / f"m{replay}.jsonl"), progress=False)
-        metrics[replay] = GRPOTrainer(cfg).step(0)
+        metrics[replay] = train_rows(GRPOTrainer(cfg).step(0))[0]  # one optimizer step of all 16 samples
     plain, replayed = metrics[False], metrics[True]
     assert 0 < plain["train/topk_tie_frac"] < plain["train/topk_mismatch_frac"]
     assert plain["train/train_rollout_logprob_abs_diff"] > 1e-4

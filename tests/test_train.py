@@ -19,7 +19,7 @@ RECIPE_METRICS = ("train/train_rollout_logprob_abs_diff", "train/train_rollout_k
 
 
 # The tiny preset's rise over 20 rollouts (seed 0): mean of the last 5 rollouts minus the mean of the
-# first 3. Target 0.25; observed RISE_OBSERVED; asserted with a margin for other machines' rounding.
+# first 3. Target 0.25; observed 0.42 (0.458 -> 0.880); the target is what is asserted.
 RISE_MARGIN = 0.25
 
 
@@ -28,8 +28,8 @@ def tiny(tmp_path, **kw):
 
 
 def test_reward_rises_within_20_rollouts(tmp_path):
-    """From the shipped start (seed 0) the mean reward of the last 5 rollouts beats the first 5 by a margin.
-    Observed: first 5 mean 0.373, last 5 mean 0.477 (0.375 at rollout 0 -> 0.477 at rollout 19)."""
+    """From the shipped start (seed 0) the mean reward of the last 5 rollouts beats the first 3 by at
+    least 0.25 (observed 0.458 -> 0.880), and the run's own verdict says pass."""
     out = subprocess.run([sys.executable, "-m", "glmkit", "train", "--model-name", "tiny", "--num-rollout", "20",
                           "--metrics-out", tmp_path / "m.jsonl"], capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr
@@ -42,7 +42,9 @@ def test_reward_rises_within_20_rollouts(tmp_path):
     assert last >= first + RISE_MARGIN, f"reward {first:.3f} -> {last:.3f}"
     diffs = [h["train/train_rollout_logprob_abs_diff"] for h in steps]
     assert max(diffs) < 1e-5  # fp32 on CPU: the train path reproduces the rollout's log-probs
-    assert all(math.isfinite(h["train/grad_norm"]) and h["train/grad_norm"] > 0 for h in steps)
+    # finite everywhere; 0 only for a step whose groups all scored alike (no advantage, no gradient)
+    assert all(math.isfinite(h["train/grad_norm"]) and h["train/grad_norm"] >= 0 for h in steps)
+    assert sum(h["train/grad_norm"] > 0 for h in steps) > len(steps) // 2
     assert "rollout/raw_reward" in out.stdout and "within range" in out.stdout  # the health table
     assert "run verdict: pass" in out.stdout
 

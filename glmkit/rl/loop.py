@@ -29,11 +29,15 @@ ASSETS = Path(__file__).resolve().parents[1] / "assets"
 # Per --model-name defaults; anything given on the command line wins.
 PRESETS = {
     # The tiny preset learns synthetic arithmetic from a briefly pre-trained start. It differs from the
-    # recipe on purpose: lr 2e-4 (a 1.5 MB model moves too little at 1e-6 to see in 20 rollouts) and
-    # 16 prompts x 8 samples in 4 optimizer steps of 32 (less noise per rollout, more updates).
+    # recipe on purpose: lr 4e-4 (a 1.5 MB model moves too little at 1e-6 to see in 20 rollouts);
+    # 16 prompts x 8 samples in 4 optimizer steps of 32 (less noise per rollout, more updates); and a
+    # pool of 32 problems that come back every other rollout: what the tiny model learns on one
+    # arithmetic problem barely transfers to another, so 16 fresh problems per rollout from 800 rose
+    # only 0.34 -> 0.48 in 20 rollouts; on the repeating pool the mean of the last 5 rollouts beats the
+    # first 3 by 0.42 (0.458 -> 0.880, seed 0, 2 CPU cores).
     "tiny": dict(checkpoint=str(ASSETS / "tiny_start"), prompt_data=str(ASSETS / "arith" / "train.jsonl"),
-                 tokenizer=str(ASSETS / "tiny_tokenizer"), lr=2e-4, rollout_max_response_len=12,
-                 rollout_batch_size=16, global_batch_size=32),
+                 tokenizer=str(ASSETS / "tiny_tokenizer"), lr=4e-4, rollout_max_response_len=12,
+                 rollout_batch_size=16, global_batch_size=32, prompt_pool=32),
     "GLM-5.3-Flash-4layer": dict(prompt_data="/root/datasets/dapo-math-17k/dapo-math-17k.jsonl", lr=1e-6,
                                  rollout_max_response_len=4096, rollout_batch_size=8, global_batch_size=64),
 }
