@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-
 from torch.utils.checkpoint import checkpoint
 
 from glmkit.model.block import DecoderBlock, Run

@@ -113,7 +113,7 @@ def stream_parity(checkpoint, sequences, dtype=torch.float32, device="cpu", back
             for h in hooks:
                 h.remove()
         # glmkit's block on the same input streams
-        run = Run(backends, packed=packed, topk=our_topk,
+        run = Run(backends, packed=packed, topk=our_topk, record_scores=True,
                   record=lambda layer, site, v: ours_sink.put(layer, site, _local(v, packed) if site == "indexer_topk" else v))
         block(streams, run)
         our_topk = run.topk
