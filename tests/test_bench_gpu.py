@@ -44,3 +44,22 @@ def test_reference_over_shared_weights_gives_glmkits_logits():
         want = ref(input_ids=ids).logits[0].float()
         got = TrainPath(model).forward([ids[0].tolist()], return_logits=True).logits.float()
     assert ((want - got).norm() / want.norm()).item() < 5e-5
+
+
+def test_layer_sweep_runs_on_the_cpu_and_writes_its_json(tmp_path):
+    """The 45-layer sweep's logic on the tiny variant: every layer compared, train vs rollout small
+    (bf16 rounding: rel RMS under 0.2 per layer), the JSON written."""
+    import json
+    import subprocess
+    import sys
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "sweep_layers_gpu.py"
+    out = tmp_path / "sweep.json"
+    run = subprocess.run([sys.executable, script, "--variant", "tiny", "--device", "cpu", "--seq-len", "120",
+                          "--decode", "12", "--backends", "kda=torch", "--out", out],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    data = json.loads(out.read_text())
+    assert [row["layer"] for row in data["layers"]] == [0, 1, 2, 3]
+    assert all(row["rel_rms"] < 0.2 for row in data["layers"])
+    assert data["layers"][3]["kind"] == "dsa" and "experts_same" in data["layers"][3]
