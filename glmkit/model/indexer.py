@@ -107,8 +107,7 @@ class LightningIndexer(nn.Module):
         candidate = pool_ids[None] < complete[:, None]
         pieces = []
         if take:
-            masked = scores.masked_fill(~candidate, float("-inf"))
-            chosen = topk_lowest_index_first(masked, take)
+            chosen = topk_lowest_index_first(self._candidates_only(scores, visible_count), take)
             ok = candidate.gather(1, chosen)
             tokens = chosen[..., None] * self.kpool + torch.arange(self.kpool, device=scores.device)
             pieces.append(tokens.masked_fill(~ok[..., None], -1).flatten(1))

@@ -1,7 +1,7 @@
 """Rollout path: a serving-style engine over the same weights.
 
-Prefill runs the prompts packed (KDA chunked, DSA through the run's kernel backend) and leaves per-request caches: KDA conv
-and recurrent states, the DSA latent (R dims per token, never expanded per head), and the indexer's
+Prefill runs the prompts packed (KDA chunked, DSA through the run's kernel backend) and leaves
+per-request caches: KDA conv and recurrent states, the DSA latent (R dims per token, never expanded per head), and the indexer's
 keys, gates and completed pool keys. Decode then advances every request one token per step (KDA
 recurrent update, DSA absorbed over the selected latents, the indexer compressing a pool the moment
 it completes). Sampling returns each sampled token's log-prob under softmax(logits / temperature).
@@ -146,10 +146,11 @@ class RolloutEngine:
 
             def step_record(layer, site, value, feeding=feeding):
                 if site in wanted:  # decode selections are cache positions: already request-local
+                    rows = value.cpu()  # one device-to-host copy per layer and step, not one per request
+                    if site == "indexer_topk":
+                        rows = rows.to(torch.int32)
                     for i in feeding:
-                        rows = value[i:i + 1].cpu()
-                        getattr(done[i], wanted[site])[layer].append(
-                            rows.to(torch.int32) if site == "indexer_topk" else rows)
+                        getattr(done[i], wanted[site])[layer].append(rows[i:i + 1])
 
             logits = self.step(batch, tokens, record=step_record if wanted else None)
         for c in done:

@@ -171,7 +171,7 @@ def capture_reference(ref, sequences, topk_replay: dict | None = None, **manifes
     last_topk = {}
     replay = None
     if topk_replay:
-        replay = lambda i: {k: v[rows_now["rows"]] for k, v in topk_replay.items()}.get(i)  # noqa: E731
+        replay = lambda i: topk_replay[i][rows_now["rows"]] if i in topk_replay else None  # noqa: E731
     hooks = [h for i, layer in enumerate(text.layers) for h in hook_reference_layer(layer, i, put, last_topk, replay)]
     hooks.append(text.norm.register_forward_hook(lambda m, a, out: put(None, "final_hidden", out)))
     try:
