@@ -150,7 +150,7 @@ def test_backends_parse_and_errors():
     assert Backends.parse(str(Backends("fla", "naive", "grouped"))) == Backends("fla", "naive", "grouped")
     with pytest.raises(ValueError, match="unknown DSA backend 'flash'; allowed: naive, absorbed"):
         Backends(dsa="flash")
-    with pytest.raises(ValueError, match="unknown operator 'attn'.*allowed: kda, dsa, moe"):
+    with pytest.raises(ValueError, match="unknown operator 'attn'.*allowed: kda, dsa, moe, fuse"):
         Backends.parse("attn=fla")
     with pytest.raises(ValueError, match="unknown MOE backend"):
         Backends.parse("moe=fast")

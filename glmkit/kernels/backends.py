@@ -15,24 +15,29 @@ from dataclasses import dataclass, fields, replace
 KDA_BACKENDS = ("torch", "fla")
 DSA_BACKENDS = ("naive", "absorbed")
 MOE_BACKENDS = ("auto", "loop", "grouped")
-ALLOWED = {"kda": KDA_BACKENDS, "dsa": DSA_BACKENDS, "moe": MOE_BACKENDS}
+FUSE_MODES = ("auto", "on", "off")
+ALLOWED = {"kda": KDA_BACKENDS, "dsa": DSA_BACKENDS, "moe": MOE_BACKENDS, "fuse": FUSE_MODES}
 
 
 @dataclass(frozen=True)
 class Backends:
     """kda: "torch" (reference, CPU and GPU) or "fla" (Triton, CUDA).
     dsa: "naive" (un-absorbed gather, the reference) or "absorbed" (MQA over the shared latent).
-    moe: "loop" (per-expert, the reference), "grouped" (`torch._grouped_mm`, CUDA bf16) or "auto"."""
+    moe: "loop" (per-expert, the reference), "grouped" (`torch._grouped_mm`, CUDA bf16) or "auto".
+    fuse: elementwise chains (mHC, norms, gates) compiled into fused kernels: "auto" (on CUDA),
+          "on" (any device) or "off" (eager, the reference); see glmkit.kernels.fuse."""
 
     kda: str = "torch"
     dsa: str = "absorbed"
     moe: str = "auto"
+    fuse: str = "auto"
 
     def __post_init__(self):
         for op, allowed in ALLOWED.items():
             value = getattr(self, op)
             if value not in allowed:
-                raise ValueError(f"unknown {op.upper()} backend {value!r}; allowed: {', '.join(allowed)}")
+                what = "fuse mode" if op == "fuse" else f"{op.upper()} backend"
+                raise ValueError(f"unknown {what} {value!r}; allowed: {', '.join(allowed)}")
 
     @classmethod
     def parse(cls, spec: "str | Backends | None") -> "Backends":

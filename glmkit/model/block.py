@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from glmkit.kernels.backends import Backends
+from glmkit.kernels.fuse import fusing
 from glmkit.model import mhc
 from glmkit.model.dsa import SparseMLA
 from glmkit.model.kda import KimiDeltaAttention
@@ -67,16 +68,21 @@ class DecoderBlock(nn.Module):
             self.self_attn = SparseMLA(config, shared_indexer=config.indexer_types[layer] == "shared")
         self.mlp = MoE(config) if self.is_moe else MLP(D, config.intermediate_size, config.swiglu_limit)
 
-    def _weights(self, site: str, streams):
-        return mhc.mix_weights(streams, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_base"),
-                               getattr(self, f"hc_{site}_scale"), self.hc_iters, self.hc_eps, self.norm_eps)
+    def _enter(self, site: str, streams, norm: RMSNorm):
+        """mHC weights of `site`, the collapsed streams through the block's input norm."""
+        return mhc.enter(streams, getattr(self, f"hc_{site}_fn"), getattr(self, f"hc_{site}_base"),
+                         getattr(self, f"hc_{site}_scale"), self.hc_iters, self.hc_eps, self.norm_eps,
+                         norm.weight, norm.eps)
 
     def forward(self, streams: torch.Tensor, run: Run) -> torch.Tensor:
         """streams [T, n, D] (packed tokens, or one token per request when decoding) -> same shape."""
+        with fusing(run.backends.fuse):
+            return self._forward(streams, run)
+
+    def _forward(self, streams: torch.Tensor, run: Run) -> torch.Tensor:
         L = self.layer
-        pre, post, comb = self._weights("attn", streams)
+        x, pre, post, comb = self._enter("attn", streams, self.input_layernorm)
         run.emit(L, "attn_hc.pre", pre), run.emit(L, "attn_hc.post", post), run.emit(L, "attn_hc.comb", comb)
-        x = self.input_layernorm(mhc.collapse(streams, pre))
         run.emit(L, "attn_in", x)
         state = run.states[L] if run.states is not None else None
         if self.kind == "kda":
@@ -101,12 +107,11 @@ class DecoderBlock(nn.Module):
                 run.emit(L, "indexer_scores", run.own_scores)
             run.emit(L, "indexer_topk", run.own_topk)
         run.emit(L, "attn_out", out)
-        streams = mhc.expand(out, streams, post, comb)
+        streams = mhc.leave(out, streams, post, comb)
         run.emit(L, "streams_after_attn", streams)
 
-        pre, post, comb = self._weights("ffn", streams)
+        x, pre, post, comb = self._enter("ffn", streams, self.post_attention_layernorm)
         run.emit(L, "ffn_hc.pre", pre), run.emit(L, "ffn_hc.post", post), run.emit(L, "ffn_hc.comb", comb)
-        x = self.post_attention_layernorm(mhc.collapse(streams, pre))
         run.emit(L, "mlp_in", x)
         if self.is_moe:
             out, routing = self.mlp(x, run.routing.get(L), run.backends.moe)
@@ -117,6 +122,6 @@ class DecoderBlock(nn.Module):
         else:
             out = self.mlp(x)
         run.emit(L, "mlp_out", out)
-        streams = mhc.expand(out, streams, post, comb)
+        streams = mhc.leave(out, streams, post, comb)
         run.emit(L, "streams_after_ffn", streams)
         return streams

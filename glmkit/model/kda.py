@@ -17,9 +17,33 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from glmkit.kernels.fuse import fusable
 from glmkit.kernels.kda.naive import l2norm
 from glmkit.model.norms import GatedRMSNorm
 from glmkit.model.packed import Packed
+
+
+@fusable
+def short_conv(mixed: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, kernel: int) -> torch.Tensor:
+    """SiLU(causal depthwise conv) over packed rows, in fp32, never across sequences.
+    mixed [T, C], weight [C, kernel] fp32, positions [T] (index inside each sequence) -> [T, C] in
+    mixed's dtype: out[t] = sum_s w[kernel-1-s] * in[t-s] over s <= positions[t]."""
+    conv = torch.zeros_like(mixed, dtype=torch.float32)
+    for shift in range(kernel):
+        tap = weight[:, kernel - 1 - shift]
+        src = mixed.float() if shift == 0 else F.pad(mixed.float(), (0, 0, shift, 0))[:-shift]
+        conv = conv + tap * src * (positions >= shift)[:, None]
+    return F.silu(conv).to(mixed.dtype)
+
+
+@fusable
+def log_decay(g: torch.Tensor, dt_bias: torch.Tensor, A_log: torch.Tensor, lower_bound: float | None) -> torch.Tensor:
+    """g [..., H, K] (f_b(f_a x)) -> log-space decay [..., H, K] in fp32."""
+    g = g.float() + dt_bias.float().view(g.shape[-2:])
+    rate = A_log.float().exp()[:, None]
+    if lower_bound is not None:
+        return lower_bound * torch.sigmoid(rate * g)
+    return -rate * F.softplus(g, threshold=20.0)
 
 
 @dataclass
@@ -65,12 +89,8 @@ class KimiDeltaAttention(nn.Module):
 
     def _decay(self, x: torch.Tensor) -> torch.Tensor:
         """Log-space decay g [..., H, K] in fp32."""
-        g = self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()
-        g = g.unflatten(-1, (self.num_heads, self.head_dim))
-        rate = self.A_log.float().exp()[:, None]
-        if self.lower_bound is not None:
-            return self.lower_bound * torch.sigmoid(rate * g)
-        return -rate * F.softplus(g, threshold=20.0)
+        g = self.f_b_proj(self.f_a_proj(x)).unflatten(-1, (self.num_heads, self.head_dim))
+        return log_decay(g, self.dt_bias, self.A_log, self.lower_bound)
 
     def _output(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         gate = self.g_b_proj(self.g_a_proj(x)).unflatten(-1, (self.num_heads, self.head_dim))
@@ -83,13 +103,7 @@ class KimiDeltaAttention(nn.Module):
     def forward_packed(self, x: torch.Tensor, packed: Packed, kda, want_state: bool = False):
         """x [T, D] packed -> (out [T, D], KDAState for the N sequences or None)."""
         mixed = self._mixed(x)
-        weight = self._conv_weight()
-        conv = torch.zeros_like(mixed, dtype=torch.float32)
-        for shift in range(self.kernel):  # out[t] = sum_s w[K-1-s] * in[t-s], inside the sequence
-            tap = weight[:, self.kernel - 1 - shift]
-            src = mixed.float() if shift == 0 else F.pad(mixed.float(), (0, 0, shift, 0))[:-shift]
-            conv = conv + tap * src * (packed.positions >= shift)[:, None]
-        q, k, v = self._split(F.silu(conv).to(x.dtype))
+        q, k, v = self._split(short_conv(mixed, self._conv_weight(), packed.positions, self.kernel))
         g = self._decay(x)
         beta = torch.sigmoid(self.b_proj(x))
         o, final = kda.chunk_kda(q[None], k[None], v[None], g[None], beta[None], scale=None,

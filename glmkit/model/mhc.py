@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from glmkit.model.norms import unweighted_rms_norm
+from glmkit.kernels.fuse import fusable
+from glmkit.model.norms import rms_norm, unweighted_rms_norm
 
 
 def mix_weights(streams, fn, base, scale, sinkhorn_iters: int, hc_eps: float, norm_eps: float):
@@ -49,6 +50,29 @@ def expand(block_out: torch.Tensor, streams: torch.Tensor, post: torch.Tensor, c
     """X'_j = post_j * out + sum_i comb_ij X_i. block_out [..., D], streams [..., n, D]."""
     dtype = streams.dtype
     return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + comb.to(dtype).transpose(-1, -2) @ streams
+
+
+@fusable
+def enter(streams, fn, base, scale, sinkhorn_iters: int, hc_eps: float, norm_eps: float, norm_weight,
+          block_norm_eps: float):
+    """The way into a block: mix weights, collapse, and the block's input RMSNorm in one pass.
+    -> (block input [..., D], pre, post, comb)."""
+    pre, post, comb = mix_weights(streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps)
+    return rms_norm(collapse(streams, pre), norm_weight, block_norm_eps), pre, post, comb
+
+
+def _leave_summed(block_out, streams, post, comb):
+    # the per-token n x n mix as n broadcast products, one fused kernel, instead of T tiny GEMMs
+    mixed = post.unsqueeze(-1) * block_out.unsqueeze(-2).float()
+    for i in range(streams.shape[-2]):
+        mixed = mixed + comb[..., i, :, None] * streams[..., i, None, :].float()
+    return mixed.to(streams.dtype)
+
+
+@fusable(fused_form=_leave_summed)
+def leave(block_out, streams, post, comb):
+    """The way out of a block: expand (see `expand`)."""
+    return expand(block_out, streams, post, comb)
 
 
 def doubly_stochastic_error(comb: torch.Tensor) -> float:

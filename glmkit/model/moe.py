@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from glmkit.kernels.fuse import fusable
 from glmkit.model.mlp import MLP, clamped_swiglu
 
 IMPLS = ("auto", "loop", "grouped")
@@ -187,8 +188,13 @@ class GroupedExperts(nn.Module):
         gate, up = gate_up.chunk(2, dim=-1)
         hidden = clamped_swiglu(gate, up, self.swiglu_limit)
         y = torch._grouped_mm(hidden, self.down_proj.transpose(-2, -1), offs=offs)
-        per_slot = y.index_select(0, row_of_slot).view(T, k, D)
-        return (per_slot.float() * routing.weights.unsqueeze(-1)).sum(1).to(x.dtype)
+        return weighted_sum(y.index_select(0, row_of_slot).view(T, k, D), routing.weights)
+
+
+@fusable
+def weighted_sum(per_slot: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """per_slot [T, k, D], weights [T, k] -> sum_j weights_j * per_slot_j [T, D], fp32 sum."""
+    return (per_slot.float() * weights.unsqueeze(-1)).sum(1).to(per_slot.dtype)
 
 
 class MoE(nn.Module):

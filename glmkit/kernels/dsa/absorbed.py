@@ -17,12 +17,22 @@ Scores, the softmax statistics and the latent gradient are fp32; products take t
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+
+from glmkit.kernels.fuse import current_mode, fusable, fusing
 
 # Elements of one block's score tensor (rows x heads x keys) and of its gathered latents.
 SCORE_BUDGET = 1 << 26
 GATHER_BUDGET = 1 << 27
 # A block goes dense while its causal span is at most this many times the selection width.
 DENSE_SPAN_FACTOR = 2
+# Key counts (selection width, dense span) are padded to a multiple of this with masked keys: GEMMs
+# over bf16 rows of odd length fall back to unaligned kernels several times slower.
+KEY_ALIGN = 8
+
+
+def _aligned(n: int) -> int:
+    return -(-n // KEY_ALIGN) * KEY_ALIGN
 
 
 def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -63,12 +73,26 @@ def _span_mask(idx: torch.Tensor, s0: int, span: int) -> torch.Tensor:
 
 
 def _probs(scores: torch.Tensor, keep: torch.Tensor, scale: float, lse: torch.Tensor | None = None):
-    """fp32 scores [B, H, K], keep [B, 1, K] -> (probs, lse [B, H]); rows with no key give zeros."""
-    scores = (scores * scale).masked_fill_(~keep, float("-inf"))
+    """fp32 scores [B, H, K], keep [B, 1, K] -> (fp32 probs, lse [B, H]); rows with no key give zeros."""
+    scores = (scores * scale).masked_fill(~keep, float("-inf"))
     if lse is None:
         lse = torch.logsumexp(scores, dim=-1)
     finite = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    return (scores - finite[..., None]).exp_(), lse
+    return (scores - finite[..., None]).exp(), lse
+
+
+@fusable
+def _forward_probs(scores, keep, scale: float, dtype: torch.dtype):
+    """-> (probs in `dtype` for the product with the latents, lse fp32)."""
+    probs, lse = _probs(scores, keep, scale)
+    return probs.to(dtype), lse
+
+
+@fusable
+def _backward_scores(scores, dp, keep, lse, delta, scale: float, dtype: torch.dtype):
+    """Recomputed probs and dS = P * (dP - delta) * scale, both in `dtype` for their GEMMs."""
+    probs, _ = _probs(scores, keep, scale, lse)
+    return probs.to(dtype), (probs * (dp - delta[..., None]) * scale).to(dtype)
 
 
 class SparseMQA(torch.autograd.Function):
@@ -77,59 +101,70 @@ class SparseMQA(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_lat, latent, idx, bounds, scale):
         T, H, R = q_lat.shape
+        idx = F.pad(idx, (0, _aligned(idx.shape[1]) - idx.shape[1]), value=-1)
         W = idx.shape[1]
+        padded = F.pad(latent, (0, 0, 0, KEY_ALIGN - 1))  # dense spans read up to KEY_ALIGN-1 rows past T
         out = torch.empty_like(q_lat)
         lse = torch.empty(T, H, dtype=_stats_dtype(q_lat), device=q_lat.device)
         for s0, r0, r1, dense in blocks(bounds, W, H, R):
             q = q_lat[r0:r1]
             if dense:
-                keys = latent[s0:r1]
-                keep = _span_mask(idx[r0:r1], s0, r1 - s0)[:, None]
-                scores = _mm_f32(q.reshape(-1, R), keys.t()).view(r1 - r0, H, -1)
-                probs, lse[r0:r1] = _probs(scores, keep, scale)
-                out[r0:r1] = (probs.to(q.dtype).view(-1, r1 - s0) @ keys).view(r1 - r0, H, R)
+                span = _aligned(r1 - s0)
+                keys = padded[s0:s0 + span]
+                keep = _span_mask(idx[r0:r1], s0, span)[:, None]
+                scores = _mm_f32(q.reshape(-1, R), keys.t()).view(r1 - r0, H, span)
+                probs, lse[r0:r1] = _forward_probs(scores, keep, scale, q.dtype)
+                out[r0:r1] = (probs.view(-1, span) @ keys).view(r1 - r0, H, R)
             else:
                 keys = latent[idx[r0:r1].clamp(min=0)]  # [B, W, R]
                 keep = (idx[r0:r1] >= 0)[:, None]
-                probs, lse[r0:r1] = _probs(_mm_f32(q, keys.transpose(1, 2)), keep, scale)
-                out[r0:r1] = torch.bmm(probs.to(q.dtype), keys)
+                probs, lse[r0:r1] = _forward_probs(_mm_f32(q, keys.transpose(1, 2)), keep, scale, q.dtype)
+                out[r0:r1] = torch.bmm(probs, keys)
         ctx.save_for_backward(q_lat, latent, idx, out, lse)
-        ctx.bounds, ctx.scale = bounds, scale
+        ctx.bounds, ctx.scale, ctx.fuse = bounds, scale, current_mode()
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
+        with fusing(ctx.fuse):  # the autograd engine runs this outside the forward's fuse mode
+            return SparseMQA._backward(ctx, grad_out)
+
+    @staticmethod
+    def _backward(ctx, grad_out):
         q_lat, latent, idx, out, lse = ctx.saved_tensors
         bounds, scale = ctx.bounds, ctx.scale
         T, H, R = q_lat.shape
+        idx = F.pad(idx, (0, _aligned(idx.shape[1]) - idx.shape[1]), value=-1)
         W = idx.shape[1]
+        padded = F.pad(latent, (0, 0, 0, KEY_ALIGN - 1))
         grad_out = grad_out.contiguous()
         delta = (grad_out.float() * out.float()).sum(-1)  # [T, H]: rowsum(dO * O)
         grad_q = torch.empty_like(q_lat)
-        grad_latent = torch.zeros(latent.shape, dtype=_stats_dtype(latent), device=latent.device)
+        grad_latent = torch.zeros(padded.shape, dtype=_stats_dtype(latent), device=latent.device)
         for s0, r0, r1, dense in blocks(bounds, W, H, R):
             q, do, B = q_lat[r0:r1], grad_out[r0:r1], r1 - r0
             if dense:
-                keys = latent[s0:r1]
-                keep = _span_mask(idx[r0:r1], s0, r1 - s0)[:, None]
-                probs, _ = _probs(_mm_f32(q.reshape(-1, R), keys.t()).view(B, H, -1), keep, scale, lse[r0:r1])
-                dp = _mm_f32(do.reshape(-1, R), keys.t()).view(B, H, -1)
-                ds = (probs * (dp - delta[r0:r1, :, None]) * scale).to(q.dtype).view(-1, r1 - s0)
+                span = _aligned(r1 - s0)
+                keys = padded[s0:s0 + span]
+                keep = _span_mask(idx[r0:r1], s0, span)[:, None]
+                scores = _mm_f32(q.reshape(-1, R), keys.t()).view(B, H, span)
+                dp = _mm_f32(do.reshape(-1, R), keys.t()).view(B, H, span)
+                probs, ds = _backward_scores(scores, dp, keep, lse[r0:r1], delta[r0:r1], scale, q.dtype)
+                probs, ds = probs.view(-1, span), ds.view(-1, span)
                 grad_q[r0:r1] = (ds @ keys).view(B, H, R)
-                grad_latent[s0:r1] += _mm_f32(ds.t(), q.reshape(-1, R))
-                grad_latent[s0:r1] += _mm_f32(probs.to(q.dtype).view(-1, r1 - s0).t(), do.reshape(-1, R))
+                grad_latent[s0:s0 + span] += _mm_f32(ds.t(), q.reshape(-1, R))
+                grad_latent[s0:s0 + span] += _mm_f32(probs.t(), do.reshape(-1, R))
             else:
                 sel = idx[r0:r1]
                 keys = latent[sel.clamp(min=0)]
                 keep = (sel >= 0)[:, None]
-                probs, _ = _probs(_mm_f32(q, keys.transpose(1, 2)), keep, scale, lse[r0:r1])
-                dp = _mm_f32(do, keys.transpose(1, 2))
-                ds = (probs * (dp - delta[r0:r1, :, None]) * scale).to(q.dtype)
+                probs, ds = _backward_scores(_mm_f32(q, keys.transpose(1, 2)), _mm_f32(do, keys.transpose(1, 2)),
+                                             keep, lse[r0:r1], delta[r0:r1], scale, q.dtype)
                 grad_q[r0:r1] = torch.bmm(ds, keys)
-                grad_keys = _mm_f32(ds.transpose(1, 2), q) + _mm_f32(probs.to(q.dtype).transpose(1, 2), do)
+                grad_keys = _mm_f32(ds.transpose(1, 2), q) + _mm_f32(probs.transpose(1, 2), do)
                 grad_keys = grad_keys.masked_fill_(~keep.transpose(1, 2), 0.0)
                 grad_latent.index_add_(0, sel.clamp(min=0).flatten(), grad_keys.flatten(0, 1))
-        return grad_q, grad_latent.to(latent.dtype), None, None, None
+        return grad_q, grad_latent[:T].to(latent.dtype), None, None, None
 
 
 def fold_weights(kv_b_weight: torch.Tensor, heads: int, dk: int):

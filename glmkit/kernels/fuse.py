@@ -1,0 +1,72 @@
+"""Elementwise chains fused into single kernels by torch.compile (inductor), behind one switch.
+
+mHC mixing, the RMSNorms, KDA's short conv and gates, the SwiGLU clamp: each is a chain of small
+elementwise ops and reductions over [T, n, D]- or [T, H, K]-sized tensors. Eager, every op is one
+pass over HBM (at T = 8192 an mHC site alone made ~30 passes over 268 MB); fused, each chain is one
+read of its inputs and one write of its outputs. The math stays in the concept modules as plain torch
+(the reference, run eagerly); `@fusable` marks a top-level one, which then follows the mode a run
+sets with `fusing(mode)` (`Backends.fuse`; every `DecoderBlock` call sets it):
+
+    "off"   eager, always (the reference; also the mode outside any run)
+    "auto"  fused when the first tensor argument is on CUDA, eager elsewhere (the default of a run)
+    "on"    fused on any device (CPU inductor needs a C++ compiler; tests use it there)
+
+`fused_form` gives a fusable function a second, fusion-friendly spelling of the same math (e.g. a
+per-token 4 x 4 mix as four broadcast products instead of T tiny GEMMs, which inductor would leave as
+one extern batched GEMM). Functions called from inside a fusable one stay plain.
+
+Fused code computes in fp32 and rounds once at the end where eager rounds after each op, so bf16
+results differ from eager by about one bf16 ulp; fp32 results by fp32 rounding.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+
+import torch
+
+from glmkit.kernels.backends import FUSE_MODES
+_MODE = contextvars.ContextVar("glmkit_fuse_mode", default="off")
+
+
+@contextlib.contextmanager
+def fusing(mode: str):
+    """Fusable functions called inside follow `mode`."""
+    if mode not in FUSE_MODES:
+        raise ValueError(f"unknown fuse mode {mode!r}; allowed: {', '.join(FUSE_MODES)}")
+    token = _MODE.set(mode)
+    try:
+        yield
+    finally:
+        _MODE.reset(token)
+
+
+def current_mode() -> str:
+    return _MODE.get()
+
+
+def fusable(fn=None, *, fused_form=None):
+    """Decorate a pure tensor function (see the module docstring); `.eager` is the plain function."""
+    if fn is None:
+        return functools.partial(fusable, fused_form=fused_form)
+    compiled = None
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        nonlocal compiled
+        mode = _MODE.get()
+        if mode == "off" or (mode == "auto" and not _on_cuda(args)):
+            return fn(*args, **kwargs)
+        if compiled is None:
+            compiled = torch.compile(fused_form or fn, fullgraph=True)
+        return compiled(*args, **kwargs)
+
+    call.eager = fn
+    return call
+
+
+def _on_cuda(args) -> bool:
+    first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    return first is not None and first.is_cuda
