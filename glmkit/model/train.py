@@ -14,6 +14,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from glmkit.kernels.backends import Backends
+from glmkit.kernels.fuse import fusable, fusing
 from glmkit.model.block import Run
 from glmkit.model.model import Glm5Model
 from glmkit.model.packed import Packed, pack
@@ -45,11 +46,13 @@ def next_token_targets(input_ids: torch.Tensor, packed: Packed) -> torch.Tensor:
     return targets
 
 
+@fusable
 def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)
     return -(logp.exp() * logp).sum(-1)
 
 
+@fusable
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """log softmax(logits / temperature)[target] in fp32; 0 where target is -100."""
     logp = torch.log_softmax(logits.float() / temperature, dim=-1)
@@ -66,8 +69,9 @@ class TrainPath:
 
     def _head(self, rows, targets, temperature, want_entropy):
         logits = self.model.lm_head(rows)
-        entropy = token_entropy(logits, temperature) if want_entropy else None
-        return token_logprobs(logits, targets, temperature), entropy
+        with fusing(self.backends.fuse):  # also in the backward's recompute, which runs outside forward()
+            entropy = token_entropy(logits, temperature) if want_entropy else None
+            return token_logprobs(logits, targets, temperature), entropy
 
     def forward(self, sequences=None, *, input_ids=None, packed=None, targets=None, temperature=1.0,
                 return_logits=False, return_entropy=False, routing=None, topk_replay=None, record=None,
