@@ -24,16 +24,19 @@ from glmkit.model.packed import Packed
 
 
 @fusable
-def short_conv(mixed: torch.Tensor, weight: torch.Tensor, positions: torch.Tensor, kernel: int) -> torch.Tensor:
-    """SiLU(causal depthwise conv) over packed rows, in fp32, never across sequences.
-    mixed [T, C], weight [C, kernel] fp32, positions [T] (index inside each sequence) -> [T, C] in
-    mixed's dtype: out[t] = sum_s w[kernel-1-s] * in[t-s] over s <= positions[t]."""
-    conv = torch.zeros_like(mixed, dtype=torch.float32)
-    for shift in range(kernel):
-        tap = weight[:, kernel - 1 - shift]
-        src = mixed.float() if shift == 0 else F.pad(mixed.float(), (0, 0, shift, 0))[:-shift]
-        conv = conv + tap * src * (positions >= shift)[:, None]
-    return F.silu(conv).to(mixed.dtype)
+def short_conv(q, k, v, weight: torch.Tensor, positions: torch.Tensor, kernel: int):
+    """SiLU(causal depthwise conv) of the q, k and v projections over packed rows, in fp32, never
+    across sequences. q, k, v [T, C] each, weight [3C, kernel] fp32 (q, k, v channels), positions
+    [T] (index inside each sequence) -> three [T, C] in the inputs' dtype:
+    out[t] = sum_s w[kernel-1-s] * in[t-s] over s <= positions[t]."""
+    outs = []
+    for part, w in zip((q, k, v), weight.chunk(3)):
+        conv = torch.zeros_like(part, dtype=torch.float32)
+        for shift in range(kernel):
+            src = part.float() if shift == 0 else F.pad(part.float(), (0, 0, shift, 0))[:-shift]
+            conv = conv + w[:, kernel - 1 - shift] * src * (positions >= shift)[:, None]
+        outs.append(F.silu(conv).to(part.dtype))
+    return outs
 
 
 @fusable
@@ -102,8 +105,9 @@ class KimiDeltaAttention(nn.Module):
     # ---- train path and prefill ------------------------------------------------------------
     def forward_packed(self, x: torch.Tensor, packed: Packed, kda, want_state: bool = False):
         """x [T, D] packed -> (out [T, D], KDAState for the N sequences or None)."""
-        mixed = self._mixed(x)
-        q, k, v = self._split(short_conv(mixed, self._conv_weight(), packed.positions, self.kernel))
+        projected = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = (t.unflatten(-1, (self.num_heads, self.head_dim))
+                   for t in short_conv(*projected, self._conv_weight(), packed.positions, self.kernel))
         g = self._decay(x)
         beta = torch.sigmoid(self.b_proj(x))
         o, final = kda.chunk_kda(q[None], k[None], v[None], g[None], beta[None], scale=None,
@@ -112,7 +116,7 @@ class KimiDeltaAttention(nn.Module):
         out = self._output(o[0], x)
         if not want_state:
             return out, None
-        return out, KDAState(self._conv_tails(mixed, packed), final)
+        return out, KDAState(self._conv_tails(torch.cat(projected, dim=-1), packed), final)
 
     def _conv_tails(self, mixed: torch.Tensor, packed: Packed) -> torch.Tensor:
         """Last kernel-1 conv inputs of every sequence, zeros in front of short ones: [N, C, kernel-1]."""

@@ -20,6 +20,9 @@ power of two >= 16, tl.dot's minimum), because every head attends over the same 
   at a finite -1e30 so blocks with no key give p = 0 and no NaN), acc = acc * alpha + p @ k with p
   in the inputs' dtype (as flash attention does) and acc fp32;
 - W need not be a multiple of BLOCK_N (the last block is masked), so idx is never padded or copied.
+  W is a compile-time constant (it is index_topk + kpool - 1, fixed per model: one compile); this
+  also keeps the loop bound a Python int under the CPU interpreter, whose runtime ints are 1-element
+  arrays that `range` cannot take with NumPy >= 2.4.
 The latent tile is both key and value (MQA over the latent): one gather feeds both dots.
 
 Output split (BLOCK_RO): the fp32 accumulator of a whole row is [64, 512] = 128 KiB, i.e. 128
@@ -75,10 +78,10 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 @triton.jit
 def _fwd_kernel(q_ptr, lat_ptr, idx_ptr, out_ptr, lse_ptr,
-                H, R, W,
+                H, R,
                 stride_qt, stride_qh, stride_lt, stride_it, stride_ot, stride_oh,
                 qk_scale,
-                BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, R_PAD: tl.constexpr, BLOCK_RO: tl.constexpr,
+                W: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, R_PAD: tl.constexpr, BLOCK_RO: tl.constexpr,
                 IEEE: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)  # t * H * R passes 2^31 at T = 64k: 64-bit row offsets
     r0 = tl.program_id(1) * BLOCK_RO
@@ -138,10 +141,10 @@ def _fwd_kernel(q_ptr, lat_ptr, idx_ptr, out_ptr, lse_ptr,
 
 @triton.jit
 def _bwd_kernel(q_ptr, lat_ptr, idx_ptr, out_ptr, do_ptr, lse_ptr, dq_ptr, dlat_ptr,
-                H, R, W,
+                H, R,
                 stride_qt, stride_qh, stride_lt, stride_it, stride_dlt,
                 qk_scale, scale,
-                BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, R_PAD: tl.constexpr, IEEE: tl.constexpr):
+                W: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, R_PAD: tl.constexpr, IEEE: tl.constexpr):
     """q, out, do and dq share one [T, H, R] contiguous layout (strides stride_qt, stride_qh, 1)."""
     t = tl.program_id(0).to(tl.int64)
     heads = tl.arange(0, BLOCK_H)
@@ -212,10 +215,10 @@ def forward(q_lat, latent, idx, scale, *, BLOCK_N=None, BLOCK_RO=None, num_warps
     if T == 0:
         return out, lse
     grid = (T, r_pad // block_ro)
-    _fwd_kernel[grid](q_lat, latent, idx, out, lse, H, R, W,
+    _fwd_kernel[grid](q_lat, latent, idx, out, lse, H, R,
                       q_lat.stride(0), q_lat.stride(1), latent.stride(0), idx.stride(0),
                       out.stride(0), out.stride(1), float(scale) * LOG2E,
-                      BLOCK_H=_pow2(H), BLOCK_N=_pow2(cfg["BLOCK_N"]), R_PAD=r_pad, BLOCK_RO=block_ro,
+                      W=W, BLOCK_H=_pow2(H), BLOCK_N=_pow2(cfg["BLOCK_N"]), R_PAD=r_pad, BLOCK_RO=block_ro,
                       IEEE=q_lat.dtype == torch.float32,
                       num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out, lse
@@ -234,9 +237,9 @@ def backward(q_lat, latent, idx, out, lse, grad_out, scale, *, BLOCK_N=None, num
     grad_latent = torch.zeros(latent.shape, dtype=torch.float32, device=latent.device)
     if T > 0:
         _bwd_kernel[(T,)](q_lat, latent, idx, out, grad_out, lse.float().contiguous(), grad_q, grad_latent,
-                          H, R, W, q_lat.stride(0), q_lat.stride(1), latent.stride(0), idx.stride(0),
+                          H, R, q_lat.stride(0), q_lat.stride(1), latent.stride(0), idx.stride(0),
                           grad_latent.stride(0), float(scale) * LOG2E, float(scale),
-                          BLOCK_H=_pow2(H), BLOCK_N=_pow2(cfg["BLOCK_N"]), R_PAD=_pow2(R),
+                          W=W, BLOCK_H=_pow2(H), BLOCK_N=_pow2(cfg["BLOCK_N"]), R_PAD=_pow2(R),
                           IEEE=q_lat.dtype == torch.float32,
                           num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return grad_q, grad_latent.to(latent.dtype)
