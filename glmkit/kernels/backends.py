@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 
 KDA_BACKENDS = ("torch", "fla")
-DSA_BACKENDS = ("naive", "absorbed")
+DSA_BACKENDS = ("naive", "absorbed", "triton")
 MOE_BACKENDS = ("auto", "loop", "grouped")
 FUSE_MODES = ("auto", "on", "off")
 ALLOWED = {"kda": KDA_BACKENDS, "dsa": DSA_BACKENDS, "moe": MOE_BACKENDS, "fuse": FUSE_MODES}
@@ -22,7 +22,8 @@ ALLOWED = {"kda": KDA_BACKENDS, "dsa": DSA_BACKENDS, "moe": MOE_BACKENDS, "fuse"
 @dataclass(frozen=True)
 class Backends:
     """kda: "torch" (reference, CPU and GPU) or "fla" (Triton, CUDA).
-    dsa: "naive" (un-absorbed gather, the reference) or "absorbed" (MQA over the shared latent).
+    dsa: "naive" (un-absorbed gather, the reference), "absorbed" (MQA over the shared latent, torch)
+         or "triton" (the absorbed form's forward as one Triton kernel, CUDA).
     moe: "loop" (per-expert, the reference), "grouped" (`torch._grouped_mm`, CUDA bf16) or "auto".
     fuse: elementwise chains (mHC, norms, gates) compiled into fused kernels: "auto" (on CUDA),
           "on" (any device) or "off" (eager, the reference); see glmkit.kernels.fuse."""

@@ -11,6 +11,8 @@ scale the softmax scale (dk^-0.5 for GLM-5.3-Flash, passed explicitly).
 - "naive":    keys and values expanded per head, gathered per query block; the reference.
 - "absorbed": kv_b folded into the query and the output, MQA over the R-dim latent that all heads
               share; dense over a block's causal span when that is cheaper than gathering.
+- "triton":   the absorbed form with its forward as one Triton kernel that gathers the selected
+              latents itself (`sparse_triton.py`); CUDA, needs triton.
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ import importlib
 from glmkit.kernels.backends import DSA_BACKENDS
 
 BACKENDS = DSA_BACKENDS
+MODULES = {"triton": "sparse_triton"}  # a module named triton.py would read as the package
 
 
 def get_backend(name: str):
     if name not in BACKENDS:
         raise ValueError(f"unknown DSA backend {name!r}; allowed: {', '.join(BACKENDS)}")
-    return importlib.import_module(f"glmkit.kernels.dsa.{name}")
+    return importlib.import_module(f"glmkit.kernels.dsa.{MODULES.get(name, name)}")

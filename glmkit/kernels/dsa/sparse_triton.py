@@ -26,8 +26,8 @@ power of two >= 16, tl.dot's minimum), because every head attends over the same 
 The latent tile is both key and value (MQA over the latent): one gather feeds both dots.
 
 Output split (BLOCK_RO): the fp32 accumulator of a whole row is [64, 512] = 128 KiB, i.e. 128
-registers a thread at num_warps=8 (FlashMLA holds the same in two warpgroups) or 256 at 4 warps,
-more than fits. BLOCK_RO < R_PAD splits the *output* dims over a second grid axis: each program
+registers a thread at num_warps=8 (FlashMLA holds the same in two warpgroups), tight next to the
+score tile and q's operand fragments, or 256 at 4 warps, more than fits. BLOCK_RO < R_PAD splits the *output* dims over a second grid axis: each program
 keeps acc [BLOCK_H, BLOCK_RO] and gathers its slice of the latent rows for p @ v, but has to
 recompute the full-R scores (the softmax needs the whole dot product), so the split costs
 (R_PAD / BLOCK_RO - 1) extra score GEMMs. Default: no split, num_warps=8 (see `FWD_CONFIG`);
@@ -63,8 +63,7 @@ except ImportError as err:  # the message names the package a user installs
     raise ImportError(f"DSA backend 'triton' needs triton (pip install triton; CUDA, or "
                       f"TRITON_INTERPRET=1 on the CPU) ({err})") from err
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+LOG2E = 1.4426950408889634  # the kernels spell constants out: jit code reads only constexpr globals
 
 # Launch parameters of the forward kernel, read at every call (tests and benchmarks override them).
 # BLOCK_RO None = the whole (padded) R: no output split.
