@@ -1,0 +1,199 @@
+"""Preflight: everything about a launch that can be checked before GPUs are spent.
+
+Each check is a `Check(name, ok, detail)` with its arithmetic in `detail`; `preflight()` returns all
+of them (a failing one does not stop the rest), `failed()` the ones that did not pass.
+
+Memory model (per GPU, the heaviest pipeline stage; GiB = 2^30 bytes), stated so a user can redo it:
+- parameters of a stage: dense (non-expert) ones split over TP, routed experts over EP (expert TP 1);
+  the embedding sits on the first stage and the LM head on the last, both split over TP;
+- trainer phase: bf16 weights 2 B + fp32 main grads 4 B per parameter, Adam's fp32 master copy and
+  two moments 12 B per parameter sharded over the data-parallel ranks (distributed optimizer; for
+  experts over the expert-data-parallel ranks, world / PP / EP). LoRA: the base is frozen (weights
+  only), the adapters' grads and Adam states are negligible;
+- activations with full uniform recompute at `max_tokens_per_gpu`: every layer of the stage keeps
+  its input streams (tokens x hc_mult x hidden bf16, split over TP by sequence parallelism) plus one
+  layer recomputed at a time (its working set taken as 24 x tokens x hidden x 2 B, plus the MoE's
+  tokens x top_k x (hidden + 2 x moe_intermediate) x 2 B dispatch buffers);
+- rollout phase (colocated, trainer offloaded): the engine's bf16 weights, dense over the engine's
+  TP and experts over its EP; the rest of the GPU is the engine's KV cache.
+Both phases must fit in the GPU's memory less 10% headroom.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from glmkit.launch.shapes import Shape, pipeline_split
+
+GIB = 2 ** 30
+HEADROOM = 0.9
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    ok: bool
+    detail: str
+
+    def line(self) -> str:
+        return f"{'PASS' if self.ok else 'FAIL'}  {self.name}: {self.detail}"
+
+
+def failed(checks) -> list[Check]:
+    return [c for c in checks if not c.ok]
+
+
+# ---- layout -----------------------------------------------------------------------------------
+def layout_checks(config, shape: Shape, first: int | None = None, last: int | None = None) -> list[Check]:
+    world, tp, pp, ep = shape.world, shape.tp, shape.pp, shape.ep
+    checks = [Check("world divisible by TP x PP", world % (tp * pp) == 0,
+                    f"{shape.nodes} x {shape.gpus_per_node} = {world} GPUs, TP {tp} x PP {pp} = {tp * pp}"
+                    + (f", data parallel {world // (tp * pp)}" if world % (tp * pp) == 0 else " does not divide it"))]
+    stage_ranks = world // pp if world % pp == 0 else None
+    checks.append(Check("EP fits the data-parallel layout", bool(stage_ranks) and stage_ranks % ep == 0,
+                        f"a pipeline stage has {world} / PP {pp} = {world / pp:g} ranks; EP {ep} (expert TP 1) "
+                        + ("divides them" if stage_ranks and stage_ranks % ep == 0 else "must divide them")))
+    for field, label in (("num_attention_heads", "DSA heads"), ("linear_num_heads", "KDA heads"),
+                         ("index_n_heads", "indexer heads")):
+        heads = getattr(config, field)
+        checks.append(Check(f"{label} divisible by TP", heads % tp == 0, f"{heads} heads / TP {tp}"
+                            + (f" = {heads // tp} a rank" if heads % tp == 0 else " leaves a remainder")))
+    experts = config.n_routed_experts
+    checks.append(Check("routed experts divisible by EP", experts % ep == 0, f"{experts} experts / EP {ep}"
+                        + (f" = {experts // ep} a rank" if experts % ep == 0 else " leaves a remainder")))
+    last = last if last is not None else shape.last_stage_layers
+    try:
+        split = pipeline_split(config.num_hidden_layers, pp, first, last)
+    except ValueError as err:
+        checks.append(Check("pipeline split", False, str(err)))
+        return checks
+    flags = "".join(f" --decoder-{end}-pipeline-num-layers {n}" for end, n in (("first", first), ("last", last)) if n)
+    checks.append(Check("pipeline split", True, f"{config.num_hidden_layers} layers over PP {pp}: "
+                        f"{' / '.join(map(str, split))}{flags}"))
+    checks.append(_stage_topk_check(config, split))
+    return checks
+
+
+def _stage_topk_check(config, split) -> Check:
+    """With DSA index sharing, a "shared" layer reuses the top-k of the DSA layer before it, which
+    must live on the same stage: the first DSA layer of every stage must compute its own."""
+    starts, bad = [], []
+    start = 0
+    for stage, n in enumerate(split):
+        dsa = [i for i in range(start, start + n) if config.layer_types[i] == "indexed_attention"]
+        if dsa:
+            starts.append(dsa[0])
+            if config.indexer_types[dsa[0]] == "shared":
+                bad.append(f"stage {stage} (layers {start}-{start + n - 1}) begins its DSA layers on layer "
+                           f"{dsa[0]}, which shares the top-k of a layer on stage {stage - 1}")
+        start += n
+    sharing = any(t == "shared" for t in config.indexer_types)
+    if bad:
+        return Check("every stage computes its own top-k", False, "; ".join(bad))
+    detail = f"first DSA layer of each stage: {', '.join(map(str, starts))}, all compute their own top-k"
+    return Check("every stage computes its own top-k", True, detail + ("" if sharing else " (no index sharing)"))
+
+
+# ---- cluster ----------------------------------------------------------------------------------
+def cluster_check(shape: Shape, inventory) -> Check:
+    """inventory: a list of nodes as glmkit.launch.cluster.inventory returns them (dicts with
+    `gpus`, `gpu_free`)."""
+    fits = [n for n in inventory if n.get("gpus", 0) >= shape.gpus_per_node]
+    total = sum(n.get("gpus", 0) for n in inventory)
+    ok = len(fits) >= shape.nodes
+    return Check("the cluster has the GPUs", ok,
+                 f"{len(inventory)} node(s), {total} GPUs; {len(fits)} node(s) with >= {shape.gpus_per_node} GPUs, "
+                 f"{shape.nodes} needed")
+
+
+# ---- memory -----------------------------------------------------------------------------------
+def stage_parameters(config, shape: Shape, split) -> list[dict]:
+    """Per stage: dense, expert and (first/last stage) embedding / LM-head parameter counts."""
+    from glmkit.checkpoint.names import layer_tensors
+
+    stages, start = [], 0
+    for stage, n in enumerate(split):
+        dense = expert = 0
+        for i in range(start, start + n):
+            for name, dims in layer_tensors(config, i).items():
+                size = 1
+                for d in dims:
+                    size *= d
+                if ".experts." in name:
+                    expert += size
+                else:
+                    dense += size
+        vocab = config.vocab_size * config.hidden_size
+        embed = vocab if stage == 0 else 0
+        head = vocab if stage == len(split) - 1 and not config.tie_word_embeddings else 0
+        stages.append({"stage": stage, "layers": n, "dense": dense, "expert": expert, "embed": embed, "head": head})
+        start += n
+    return stages
+
+
+def memory_check(config, shape: Shape, split, gpu_mem_gib: float, max_tokens_per_gpu: int = 8192) -> Check:
+    tp, pp, ep, dp = shape.tp, shape.pp, shape.ep, max(1, shape.dp)
+    expert_dp = max(1, shape.world // pp // ep)
+    worst, lines = None, []
+    for s in stage_parameters(config, shape, split):
+        dense = (s["dense"] + s["embed"] + s["head"]) / tp
+        expert = s["expert"] / ep
+        weights = 2 * (dense + expert)
+        if shape.lora:
+            grads = optim = 0.0
+        else:
+            grads = 4 * (dense + expert)
+            optim = 12 * (dense / dp + expert / expert_dp)
+        tokens = max_tokens_per_gpu
+        D = config.hidden_size
+        kept = s["layers"] * tokens * config.hc_mult * D * 2 / tp
+        moe = tokens * config.num_experts_per_tok * (D + 2 * config.moe_intermediate_size) * 2 if s["expert"] else 0
+        working = 24 * tokens * D * 2 + moe
+        total = weights + grads + optim + kept + working
+        if worst is None or total > worst[0]:
+            worst = (total, s, weights, grads, optim, kept, working)
+    total, s, weights, grads, optim, kept, working = worst
+    trainer = (f"trainer, stage {s['stage']} ({s['layers']} layers): weights {weights / GIB:.1f} + grads "
+               f"{grads / GIB:.1f} + Adam {optim / GIB:.1f} + kept inputs {kept / GIB:.1f} + recomputed layer "
+               f"{working / GIB:.1f} = {total / GIB:.1f} GiB")
+    engine = _engine_weights(config, shape)
+    rollout = f"engine weights {engine / GIB:.1f} GiB (TP {shape.engine_tp} / EP {shape.engine_ep}), the rest KV cache"
+    budget = HEADROOM * gpu_mem_gib * GIB
+    ok = total <= budget and engine <= budget
+    return Check("memory per GPU", ok, f"{trainer}; {rollout}; limit {HEADROOM:.0%} of {gpu_mem_gib:.0f} GiB "
+                 f"= {budget / GIB:.1f} GiB")
+
+
+def _engine_weights(config, shape: Shape) -> float:
+    from glmkit.checkpoint.names import expected_tensors
+
+    dense = expert = 0
+    for name, dims in expected_tensors(config).items():
+        size = 1
+        for d in dims:
+            size *= d
+        if ".experts." in name:
+            expert += size
+        else:
+            dense += size
+    return 2 * (dense / shape.engine_tp + expert / shape.engine_ep)
+
+
+def preflight(config, shape: Shape, inventory=None, gpu_mem_gib: float | None = None,
+              max_tokens_per_gpu: int = 8192, first: int | None = None, last: int | None = None) -> list[Check]:
+    checks = layout_checks(config, shape, first, last)
+    if inventory is not None:
+        checks.append(cluster_check(shape, inventory))
+        if gpu_mem_gib is None:
+            mems = [n["gpu_memory_gib"] for n in inventory if n.get("gpu_memory_gib")]
+            gpu_mem_gib = min(mems) if mems else None
+    split_check = next((c for c in checks if c.name == "pipeline split"), None)
+    if gpu_mem_gib and split_check and split_check.ok:
+        split = pipeline_split(config.num_hidden_layers, shape.pp, first,
+                               last if last is not None else shape.last_stage_layers)
+        checks.append(memory_check(config, shape, split, gpu_mem_gib, max_tokens_per_gpu))
+    elif not gpu_mem_gib:
+        checks.append(Check("memory per GPU", False, "GPU memory unknown: give gpu_mem_gib or a cluster inventory"))
+    return checks
