@@ -57,10 +57,10 @@ class Command:
         return "\n".join(lines)
 
     def entrypoint(self) -> str:
-        """One shell line for a Ray job's entrypoint (the env goes in the job's runtime env)."""
-        body = " ".join('"${MODEL_ARGS[@]}"' if a == '"${MODEL_ARGS[@]}"' else shlex.quote(a) for a in self.argv)
-        return " && ".join([f"cd {shlex.quote(self.cwd)}", *self.prelude, body]) if self.prelude else \
-            f"cd {shlex.quote(self.cwd)} && {body}"
+        """One shell line for a Ray job's entrypoint, the command's own env in front of it."""
+        env = [f"{k}={shlex.quote(v)}" for k, v in self.env.items()]
+        body = " ".join(env + ['"${MODEL_ARGS[@]}"' if a == '"${MODEL_ARGS[@]}"' else shlex.quote(a) for a in self.argv])
+        return " && ".join([f"cd {shlex.quote(self.cwd)}", *self.prelude, body])
 
 
 def torch_dist_dir(ckpt_dir: str, model: str) -> str:
