@@ -1,0 +1,187 @@
+"""The Ray cluster a launch runs on: start a local head (loopback only), connect, take inventory.
+
+    head = LocalHead.start()            # ray start --head --block on 127.0.0.1, in its own session
+    client = connect(head.dashboard)    # Jobs API (http://HOST:8265); ray://HOST:10001 for Ray Client
+    nodes = inventory(head.dashboard)   # [{node, ip, alive, gpus, gpu_free, gpu_type, cpus, memory_gib}]
+    head.stop()                         # stops what start() started, nothing else on the machine
+
+A fresh head often refuses the first connection for a few seconds (its dashboard and job agent
+start after the GCS): `connect` retries those, and reports an address where nothing listens in one
+line after its retries.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlparse
+
+LOOPBACK = "127.0.0.1"
+
+
+class ClusterUnreachable(ConnectionError):
+    """Nothing answered at the address (after retries), or it is not a Ray address."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind((LOOPBACK, 0))
+        return s.getsockname()[1]
+
+
+def _listening(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex((host, port)) == 0
+
+
+@dataclass
+class LocalHead:
+    """A Ray head glmkit started on this machine, bound to 127.0.0.1 (ports chosen free)."""
+
+    process: subprocess.Popen
+    gcs_port: int
+    dashboard_port: int
+    client_port: int
+    temp_dir: str
+
+    @property
+    def dashboard(self) -> str:
+        return f"http://{LOOPBACK}:{self.dashboard_port}"
+
+    @property
+    def client(self) -> str:
+        return f"ray://{LOOPBACK}:{self.client_port}"
+
+    @property
+    def gcs(self) -> str:
+        return f"{LOOPBACK}:{self.gcs_port}"
+
+    @classmethod
+    def start(cls, num_cpus: int = 2, num_gpus: int | None = None, timeout: float = 120.0) -> "LocalHead":
+        gcs, dash, client = _free_port(), _free_port(), _free_port()
+        # short: Ray's unix socket paths must fit in 107 bytes
+        temp_dir = tempfile.mkdtemp(prefix="glmray-", dir="/tmp")
+        ray = shutil.which("ray", path=str(Path(sys.executable).parent)) or shutil.which("ray")
+        if ray is None:
+            raise FileNotFoundError("the `ray` command is not installed (pip install 'ray[default]')")
+        argv = [ray, "start", "--head", "--block", "--node-ip-address", LOOPBACK, "--port", str(gcs),
+                "--dashboard-host", LOOPBACK, "--dashboard-port", str(dash), "--ray-client-server-port", str(client),
+                "--num-cpus", str(num_cpus), "--temp-dir", temp_dir, "--disable-usage-stats",
+                "--include-dashboard", "true"]
+        if num_gpus is not None:
+            argv += ["--num-gpus", str(num_gpus)]
+        log = open(Path(temp_dir) / "head.log", "w")
+        env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        head = cls(process, gcs, dash, client, temp_dir)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                raise RuntimeError(f"ray start --head exited with {process.returncode}: "
+                                   f"{(Path(temp_dir) / 'head.log').read_text()[-2000:]}")
+            # ready = the Jobs API answers and the head node is registered (lists as ALIVE)
+            if _listening(LOOPBACK, dash) and _jobs_api_ready(head.dashboard) and _head_alive(head.dashboard):
+                return head
+            time.sleep(0.5)
+        head.stop()
+        raise TimeoutError(f"the local Ray head did not come up within {timeout:.0f} s")
+
+    def stop(self, timeout: float = 30.0):
+        """Stop this head's process group only (`ray start --block` cleans its children up on SIGTERM)."""
+        if self.process.poll() is None:
+            try:
+                os.killpg(self.process.pid, signal.SIGTERM)
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(timeout)
+            except ProcessLookupError:
+                pass
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+def _jobs_api_ready(dashboard: str) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{dashboard}/api/version", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def _head_alive(dashboard: str) -> bool:
+    from ray.util.state import list_nodes
+
+    try:
+        return any(getattr(n, "state", None) == "ALIVE" for n in list_nodes(address=dashboard, raise_on_missing_output=False))
+    except Exception:  # the state API is not up yet
+        return False
+
+
+def _check_address(address: str) -> tuple[str, str, int]:
+    parsed = urlparse(address)
+    if parsed.scheme not in ("http", "https", "ray") or not parsed.hostname:
+        raise ClusterUnreachable(f"{address!r} is not a Ray address; use http://HOST:8265 (Jobs API) "
+                                 f"or ray://HOST:10001 (Ray Client)")
+    port = parsed.port or (10001 if parsed.scheme == "ray" else 8265)
+    return parsed.scheme, parsed.hostname, port
+
+
+def connect(address: str, retries: int = 5, delay: float = 2.0):
+    """A JobSubmissionClient for http(s):// addresses (the Ray Client's ray:// connects the driver:
+    `ray.init(address)`, returned as the ray module). Connection errors are retried `retries` times."""
+    scheme, host, port = _check_address(address)
+    last = None
+    for attempt in range(retries + 1):
+        if not _listening(host, port):
+            last = f"nothing listens on {host}:{port}"
+        else:
+            try:
+                if scheme == "ray":
+                    import ray
+
+                    ray.init(address=address, logging_level="ERROR")
+                    return ray
+                from ray.job_submission import JobSubmissionClient
+
+                return JobSubmissionClient(address)
+            except (ConnectionError, RuntimeError, OSError) as err:  # a head still starting its services
+                last = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        if attempt < retries:
+            time.sleep(delay)
+    raise ClusterUnreachable(f"cannot reach the Ray cluster at {address} after {retries + 1} tries: {last}")
+
+
+def inventory(dashboard: str) -> list[dict]:
+    """One dict per node: name, ip, alive, gpus (total), gpu_free, gpu_type (Ray's accelerator_type
+    resource, None if not reported), cpus, memory_gib; sorted by ip. GPU memory is not a Ray resource:
+    `gpu_memory_gib` is filled where the node advertises a `gpu_memory_gib:<n>` custom resource
+    (glmkit's worker start-up sets it), else None."""
+    from ray.util.state import list_nodes
+
+    _check_address(dashboard)
+    try:
+        nodes = list_nodes(address=dashboard, detail=True, raise_on_missing_output=False)
+    except Exception as err:  # the state API raises its own types for an unreachable dashboard
+        raise ClusterUnreachable(f"cannot list the nodes of {dashboard}: {str(err).splitlines()[0]}") from err
+    rows = []
+    for n in nodes:
+        n = n if isinstance(n, dict) else n.__dict__
+        total = n.get("resources_total") or {}
+        accel = next((k.split(":", 1)[1] for k in total if k.startswith("accelerator_type:")), None)
+        mem = next((float(k.split(":", 1)[1]) for k in total if k.startswith("gpu_memory_gib:")), None)
+        rows.append({"node": n.get("node_name") or n.get("node_id"), "node_id": n.get("node_id"),
+                     "ip": n.get("node_ip"), "alive": n.get("state") == "ALIVE", "head": bool(n.get("is_head_node")),
+                     "gpus": int(total.get("GPU", 0)), "gpu_type": accel, "gpu_memory_gib": mem,
+                     "cpus": int(total.get("CPU", 0)), "memory_gib": total.get("memory", 0) / 2 ** 30})
+    return sorted(rows, key=lambda r: (r["ip"] or "", r["node"] or ""))
