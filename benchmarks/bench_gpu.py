@@ -1,7 +1,7 @@
 """GLM-5.3-Flash-4layer at full width on one GPU: glmkit against the transformers reference, same run.
 
     python benchmarks/bench_gpu.py [--rows kernels,train,forward,prefill] [--reference-rows NAMES]
-                                   [--backends kda=fla,dsa=absorbed,moe=auto] [--out FILE.json]
+                                   [--backends kda=fla,dsa=auto,moe=auto] [--out FILE.json]
 
 Weights: seeded random (glmkit's synth rules) made on the GPU in bf16, no disk; the reference gets
 the very same tensors (shared, not copied, except its fused short conv). Every row times warm calls:
@@ -251,7 +251,7 @@ def main(argv=None):
     parser.add_argument("--reference-rows", default="train-4096x1,train-4096x8,train-8192x1,forward-8192,"
                         "forward-32768,prefill-8x512,prefill-64x512",
                         help="rows the reference also runs ('all' or 'none')")
-    parser.add_argument("--backends", default="kda=fla,dsa=absorbed,moe=auto")
+    parser.add_argument("--backends", default="kda=fla,dsa=auto,moe=auto")
     parser.add_argument("--train-t", default=",".join(map(str, TRAIN_T)))
     parser.add_argument("--forward-t", default=",".join(map(str, FORWARD_T)))
     parser.add_argument("--repeat", type=int, default=2)

@@ -112,7 +112,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--forward-t", type=int, default=8192)
     parser.add_argument("--train-t", type=int, default=4096)
-    parser.add_argument("--backends", default="kda=fla,dsa=absorbed,moe=auto")
+    parser.add_argument("--backends", default="kda=fla,dsa=auto,moe=auto")
     parser.add_argument("--recompute", action="store_true")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--out", default=None)

@@ -148,13 +148,28 @@ def test_backends_parse_and_errors():
     assert Backends.parse("fla") == Backends(kda="fla")
     assert Backends.parse("kda=fla, dsa=naive,moe=loop") == Backends("fla", "naive", "loop")
     assert Backends.parse(str(Backends("fla", "naive", "grouped"))) == Backends("fla", "naive", "grouped")
-    with pytest.raises(ValueError, match="unknown DSA backend 'flash'; allowed: naive, absorbed"):
+    with pytest.raises(ValueError, match="unknown DSA backend 'flash'; allowed: auto, naive, absorbed, triton"):
         Backends(dsa="flash")
     with pytest.raises(ValueError, match="unknown operator 'attn'.*allowed: kda, dsa, moe, fuse"):
         Backends.parse("attn=fla")
     with pytest.raises(ValueError, match="unknown MOE backend"):
         Backends.parse("moe=fast")
-    assert set(BACKENDS) == {"naive", "absorbed"}
+    assert set(BACKENDS) == {"auto", "naive", "absorbed", "triton"}
+
+
+def test_triton_backend_names_its_package_when_missing(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "triton", None)  # import triton -> ImportError
+    monkeypatch.delitem(sys.modules, "glmkit.kernels.dsa.sparse_triton", raising=False)
+    with pytest.raises(ImportError, match="DSA backend 'triton' needs triton"):
+        Backends(dsa="triton").dsa_ops()
+    # "auto" never needs it off CUDA: it is the absorbed form there, to the bit
+    layer = randomize(SparseMLA(variant_config("tiny"), shared_indexer=False))
+    x, packed = torch.randn(50, 64), Packed.from_lengths([30, 20])
+    want, _, _ = run_layer(layer, x, packed, "absorbed")
+    got, _, _ = run_layer(layer, x, packed, "auto")
+    assert torch.equal(want, got)
 
 
 @pytest.mark.parametrize("config_name", ["tiny", "shared-kpool2"])

@@ -103,7 +103,8 @@ def test_model_kda_layers_fla_vs_torch_and_train_vs_rollout(tiny_ckpt):
 @pytest.mark.parametrize("plan", ["dense", "gather"])
 def test_absorbed_sparse_mla_bf16_is_as_close_to_fp32_as_the_reference(plan, monkeypatch):
     """At the real head shape (64 heads, dk = dv = 256, latent 512), the absorbed kernel in bf16 and
-    the naive expanded reference in bf16 are both compared with the reference in fp32 on the same
+    the naive expanded reference in bf16 (and the Triton kernel, where triton is installed) are
+    compared with the reference in fp32 on the same
     weights. bf16 rounding alone moves random-weight attention by a few percent (sharp softmaxes
     amplify score rounding), so the bound is relative to the reference's own bf16 error: the
     absorbed form's output and gradients may be at most 1.5x as far from fp32 (+1e-3)."""
@@ -125,7 +126,13 @@ def test_absorbed_sparse_mla_bf16_is_as_close_to_fp32_as_the_reference(plan, mon
     packed = Packed.from_lengths([1100, 400], device="cuda")
     names = ("kv_b_proj.weight", "q_b_proj.weight", "kv_a_proj_with_mqa.weight", "o_proj.weight")
     results = {}
-    for dsa, dtype in (("naive", torch.float32), ("naive", torch.bfloat16), ("absorbed", torch.bfloat16)):
+    runs = [("naive", torch.float32), ("naive", torch.bfloat16), ("absorbed", torch.bfloat16)]
+    try:
+        import triton  # noqa: F401
+        runs.append(("triton", torch.bfloat16))
+    except ImportError:
+        pass
+    for dsa, dtype in runs:
         layer.to(dtype).zero_grad(set_to_none=True)
         out, _, _ = layer.forward_packed(x.to(dtype), packed, get_backend(dsa))
         (out.float() * torch.linspace(-1, 1, out.numel(), device="cuda").view_as(out)).sum().backward()
@@ -133,9 +140,10 @@ def test_absorbed_sparse_mla_bf16_is_as_close_to_fp32_as_the_reference(plan, mon
     want = results["naive", torch.float32]
     for i, name in enumerate(("output",) + names):
         ref_err = rel_rms(want[i], results["naive", torch.bfloat16][i])
-        err = rel_rms(want[i], results["absorbed", torch.bfloat16][i])
-        print(f"{plan} {name}: absorbed bf16 {err:.2e}, naive bf16 {ref_err:.2e} (vs naive fp32)")
-        assert err <= 1.5 * ref_err + 1e-3, name
+        for dsa in [d for d, _ in runs[2:]]:
+            err = rel_rms(want[i], results[dsa, torch.bfloat16][i])
+            print(f"{plan} {name}: {dsa} bf16 {err:.2e}, naive bf16 {ref_err:.2e} (vs naive fp32)")
+            assert err <= 1.5 * ref_err + 1e-3, (dsa, name)
 
 
 def test_indexer_topk_on_gpu_matches_a_stable_sort():

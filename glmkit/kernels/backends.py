@@ -1,6 +1,6 @@
 """Which kernel runs each operator, chosen once per run and passed around as one value.
 
-    Backends()                                   torch KDA, absorbed DSA, MoE picked by device
+    Backends()                                   torch KDA; DSA, MoE and fusion picked by device
     Backends.parse("kda=fla,dsa=absorbed")       the CLI's and notebooks' spelling
     Backends.parse("fla")                        a bare name is the KDA backend (the older spelling)
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 
 KDA_BACKENDS = ("torch", "fla")
-DSA_BACKENDS = ("naive", "absorbed", "triton")
+DSA_BACKENDS = ("auto", "naive", "absorbed", "triton")
 MOE_BACKENDS = ("auto", "loop", "grouped")
 FUSE_MODES = ("auto", "on", "off")
 ALLOWED = {"kda": KDA_BACKENDS, "dsa": DSA_BACKENDS, "moe": MOE_BACKENDS, "fuse": FUSE_MODES}
@@ -22,14 +22,15 @@ ALLOWED = {"kda": KDA_BACKENDS, "dsa": DSA_BACKENDS, "moe": MOE_BACKENDS, "fuse"
 @dataclass(frozen=True)
 class Backends:
     """kda: "torch" (reference, CPU and GPU) or "fla" (Triton, CUDA).
-    dsa: "naive" (un-absorbed gather, the reference), "absorbed" (MQA over the shared latent, torch)
-         or "triton" (the absorbed form's forward as one Triton kernel, CUDA).
+    dsa: "naive" (un-absorbed gather, the reference), "absorbed" (MQA over the shared latent, torch),
+         "triton" (the absorbed form's forward as one Triton kernel, CUDA) or "auto" (triton for CUDA
+         tensors when triton is installed, else absorbed).
     moe: "loop" (per-expert, the reference), "grouped" (`torch._grouped_mm`, CUDA bf16) or "auto".
     fuse: elementwise chains (mHC, norms, gates) compiled into fused kernels: "auto" (on CUDA),
           "on" (any device) or "off" (eager, the reference); see glmkit.kernels.fuse."""
 
     kda: str = "torch"
-    dsa: str = "absorbed"
+    dsa: str = "auto"
     moe: str = "auto"
     fuse: str = "auto"
 

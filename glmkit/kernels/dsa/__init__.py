@@ -13,6 +13,7 @@ scale the softmax scale (dk^-0.5 for GLM-5.3-Flash, passed explicitly).
               share; dense over a block's causal span when that is cheaper than gathering.
 - "triton":   the absorbed form with its forward as one Triton kernel that gathers the selected
               latents itself (`sparse_triton.py`); CUDA, needs triton.
+- "auto":     "triton" for CUDA tensors when triton is installed, "absorbed" otherwise (the default).
 """
 
 from __future__ import annotations
