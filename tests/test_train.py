@@ -54,10 +54,10 @@ def test_weights_reach_the_rollout_engine_after_each_update(tmp_path):
     fixed = [trainer.samples[0].prompt_ids + [5, 6, 7, 8]]
 
     def engine_logprobs():
-        return trainer.engine.prefill(fixed, 64, all_logits=True)[1]
+        return trainer.rollout_side.engine.prefill(fixed, 64, all_logits=True)[1]
 
     before = engine_logprobs()
-    assert torch.equal(before, trainer.engine.prefill(fixed, 64, all_logits=True)[1])
+    assert torch.equal(before, trainer.rollout_side.engine.prefill(fixed, 64, all_logits=True)[1])
     trainer.run()
     after = engine_logprobs()
     assert not torch.allclose(before, after)  # the engine's weights changed ...
@@ -88,7 +88,7 @@ def test_lora_trains_and_syncs_only_the_adapters(tmp_path):
     assert all(torch.equal(base[n], p) for n, p in trainer.policy.named_parameters() if n in base)
     adapters = {n: p for n, p in trainer.policy.named_parameters() if n.endswith("lora_B")}
     assert adapters and any(p.abs().max() > 0 for p in adapters.values())
-    engine = dict(trainer.engine_model.named_parameters())
+    engine = dict(trainer.rollout_side.model.named_parameters())
     assert all(torch.equal(engine[n], p) for n, p in adapters.items())
     # the engine holds its own adapters but shares the frozen base (one copy of the big weights)
     for name, p in trainer.policy.named_parameters():

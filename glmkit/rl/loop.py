@@ -249,9 +249,33 @@ def topk_row_kinds(trainer: dict, rollout: dict, scores: dict, mask: torch.Tenso
     return differs, ties
 
 
+class LocalRollout:
+    """The rollout side in this process: a RolloutEngine over its own copy of the trainable weights
+    (the frozen ones shared), updated by `load` after every optimizer step. The Ray backend puts the
+    same two calls behind actors (glmkit.launch.builtin)."""
+
+    def __init__(self, engine_model, backends):
+        from glmkit.model import RolloutEngine
+
+        self.model = engine_model
+        self.engine = RolloutEngine(engine_model, backends)
+
+    def generate(self, prompt_ids, params, seed: int):
+        return self.engine.generate(prompt_ids, params, seed=seed, record_routing=True, record_topk=True)
+
+    @torch.no_grad()
+    def load(self, tensors: dict):
+        """Trainer -> engine: copy the named tensors (every trainable one; the adapters with LoRA)."""
+        params = dict(self.model.named_parameters())
+        for name, value in tensors.items():
+            params[name].copy_(value)
+
+
 class GRPOTrainer:
-    def __init__(self, cfg: TrainConfig):
-        from glmkit.model import RolloutEngine, TrainPath, load_model
+    def __init__(self, cfg: TrainConfig, rollout=None):
+        """`rollout`: an object with generate(prompt_ids, params, seed) -> completions and
+        load(tensors); None = LocalRollout on a copy of the policy's trainable weights."""
+        from glmkit.model import TrainPath, load_model
         from glmkit.rl import lora
         from glmkit.rl.data import load_prompts
         from glmkit.rl.tokenizer import load_tokenizer
@@ -273,8 +297,8 @@ class GRPOTrainer:
             lora.apply_lora(self.policy, self.lora_names, cfg.lora_rank, cfg.lora_alpha)
         # The rollout engine's own copy, synced after every update. With LoRA only the adapters are
         # copied: the frozen base is shared, as SGLang keeps its base in place and loads adapters.
-        self.engine_model = self._copy_trainable(self.policy)
-        self.engine = RolloutEngine(self.engine_model, cfg.backends)
+        self.rollout_side = rollout if rollout is not None else \
+            LocalRollout(self._copy_trainable(self.policy), cfg.backends)
         self.train_path = TrainPath(self.policy, cfg.backends)
         self.reference = self._copy_trainable(self.policy).eval() if cfg.kl_loss_coef else None
         self.trainable = [p for p in self.policy.parameters() if p.requires_grad]
@@ -309,13 +333,13 @@ class GRPOTrainer:
         self.sync()
         self.start_step = state["step"] + 1
 
-    @torch.no_grad()
+    def trainable_state(self) -> dict:
+        """Every trainable tensor by name (the adapters only, with LoRA): what a sync sends."""
+        return {name: p.detach() for name, p in self.policy.named_parameters() if p.requires_grad}
+
     def sync(self):
-        """Trainer -> rollout engine: every trainable tensor (the adapters only, with LoRA)."""
-        engine_params = dict(self.engine_model.named_parameters())
-        for name, p in self.policy.named_parameters():
-            if p.requires_grad:
-                engine_params[name].copy_(p)
+        """Trainer -> rollout side."""
+        self.rollout_side.load(self.trainable_state())
 
     def batch_for(self, step: int):
         """The prompts of rollout `step`: a seeded walk over the shuffled data, so resume repeats it."""
@@ -333,8 +357,7 @@ class GRPOTrainer:
         expanded = [s for s in prompts for _ in range(cfg.n_samples_per_prompt)]
         params = SamplingParams(cfg.rollout_temperature, cfg.rollout_top_p, cfg.rollout_max_response_len,
                                 self.stop_ids)
-        completions = self.engine.generate([s.prompt_ids for s in expanded], params, seed=cfg.seed * 100003 + step,
-                                           record_routing=True, record_topk=True)
+        completions = self.rollout_side.generate([s.prompt_ids for s in expanded], params, cfg.seed * 100003 + step)
         rewards = []
         for s, c in zip(expanded, completions):
             text = self.tokenizer.decode(c.tokens, skip_special_tokens=False)
