@@ -96,17 +96,32 @@ class LocalHead:
         raise TimeoutError(f"the local Ray head did not come up within {timeout:.0f} s")
 
     def stop(self, timeout: float = 30.0):
-        """Stop this head's process group only (`ray start --block` cleans its children up on SIGTERM)."""
-        if self.process.poll() is None:
+        """Stop this head's process group only: SIGTERM (`ray start --block` shuts its services
+        down), then SIGKILL for whatever of the group is left after `timeout` seconds."""
+        group = self.process.pid
+        for sig in (signal.SIGTERM, signal.SIGKILL):
             try:
-                os.killpg(self.process.pid, signal.SIGTERM)
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(timeout)
+                os.killpg(group, sig)
             except ProcessLookupError:
-                pass
+                break
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline and _group_alive(group):
+                self.process.poll()  # reap the leader so it does not linger as a zombie
+                time.sleep(0.2)
+            if not _group_alive(group):
+                break
+        self.process.poll()
         shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+
+def _group_alive(group: int) -> bool:
+    try:
+        os.killpg(group, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
 
 
 def _jobs_api_ready(dashboard: str) -> bool:

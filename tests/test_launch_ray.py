@@ -1,0 +1,143 @@
+"""The launch path on a real Ray cluster: one local head on 127.0.0.1 for the whole module (started
+by glmkit.launch.cluster.LocalHead, stopped at the end), real jobs through the Jobs API."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import ray
+
+from glmkit.launch import jobs
+from glmkit.launch.builtin import RayRollout
+from glmkit.launch.cluster import ClusterUnreachable, LocalHead, connect, inventory
+from glmkit.rl.loop import GRPOTrainer, TrainConfig, read_metrics
+
+PY = sys.executable
+
+
+@pytest.fixture(scope="module")
+def head():
+    head = LocalHead.start(num_cpus=2)
+    yield head
+    pgid = head.process.pid
+    head.stop()
+    import os
+
+    with pytest.raises(ProcessLookupError):  # the whole process group it started is gone
+        os.killpg(pgid, 0)
+
+
+@pytest.fixture(scope="module")
+def client(head):
+    return connect(head.dashboard)
+
+
+def tiny_fields(ckpt, out, **changes):
+    fields = dict(model_name="tiny", checkpoint=str(ckpt), num_rollout=2, rollout_batch_size=2,
+                  n_samples_per_prompt=2, global_batch_size=4, rollout_max_response_len=8,
+                  metrics_out=str(out), overwrite=True, progress=False)
+    return {**fields, **changes}
+
+
+def test_connect_and_inventory(head, client):
+    nodes = inventory(head.dashboard)
+    assert len(nodes) == 1 and nodes[0]["alive"] and nodes[0]["head"]
+    assert nodes[0]["cpus"] == 2 and nodes[0]["gpus"] == 0 and nodes[0]["gpu_type"] is None
+    assert head.dashboard.startswith("http://127.0.0.1:")
+    with pytest.raises(ClusterUnreachable, match="nothing listens on 127.0.0.1:1"):
+        connect("http://127.0.0.1:1", retries=1, delay=0.05)
+    with pytest.raises(ClusterUnreachable, match="is not a Ray address"):
+        connect("ftp://127.0.0.1:8265")
+
+
+def test_builtin_backend_on_ray_equals_the_in_process_run(client, tiny_ckpt, tmp_path):
+    """One rollout actor and a trainer actor, colocated on one bundle: the same rows as GRPOTrainer
+    in this process on the same config (the Ray path changes where things run, not what). Equal to
+    rel 1e-4 / abs 1e-6: the actors run torch on 1 thread and this process on 2, so fp32 sums round
+    differently (the train-vs-rollout log-prob diff, itself ~1.6e-6 here, moved by 1.5e-8)."""
+    fields = tiny_fields(tiny_ckpt, tmp_path / "ray" / "metrics.jsonl")
+    job = jobs.submit(client, jobs.builtin_entrypoint(fields, 1, python=PY), "builtin-equal")
+    logs = []
+    result = jobs.follow(client, job, metrics_out=tmp_path / "followed.jsonl", on_log=logs.append, poll=0.5,
+                         timeout=600)
+    assert result.ok, result.summary()
+    assert result.done == {"rows": 4}
+    local = GRPOTrainer(TrainConfig(**tiny_fields(tiny_ckpt, tmp_path / "local.jsonl"))).run()
+    assert len(result.rows) == len(local) == 4
+    for ours, theirs in zip(result.rows, local):
+        keys = {k for k in theirs if not k.startswith("perf/")}
+        assert keys == {k for k in ours if not k.startswith("perf/")}
+        for k in keys:
+            assert ours[k] == pytest.approx(theirs[k], rel=1e-4, abs=1e-6), k
+    # the follower's store and the trainer's own file hold the same rows
+    assert [r["step"] for r in read_metrics(tmp_path / "followed.jsonl")] == [r["step"] for r in local]
+    assert len(read_metrics(tmp_path / "ray" / "metrics.jsonl")) == 4
+    # following again (a notebook restarted) adds nothing twice
+    again = jobs.follow(client, job, metrics_out=tmp_path / "followed.jsonl", poll=0.1, timeout=30)
+    assert again.ok and len(read_metrics(tmp_path / "followed.jsonl")) == 4
+
+
+def test_two_rollout_actors_split_the_prompts(client, tiny_ckpt, tmp_path):
+    fields = tiny_fields(tiny_ckpt, tmp_path / "m.jsonl", num_rollout=1)
+    result = jobs.follow(client, jobs.submit(client, jobs.builtin_entrypoint(fields, 2, python=PY), "two"),
+                         poll=0.5, timeout=600)
+    assert result.ok, result.summary()
+    rollout = [r for r in result.rows if "rollout/raw_reward" in r]
+    assert len(rollout) == 1 and 0 <= rollout[0]["rollout/raw_reward"] <= 1
+
+
+def test_a_failing_job_reports_its_status_and_log_tail(client):
+    code = "import sys; print('loading'); print('boom: bad config', file=sys.stderr); sys.exit(3)"
+    job = jobs.submit(client, f"{PY} -c {json.dumps(code)}", "fails")
+    result = jobs.follow(client, job, poll=0.2, timeout=120)
+    assert result.status == "FAILED" and not result.ok
+    assert "boom: bad config" in result.log_tail and "3" in result.message
+    assert "job " in result.summary() and "last lines of its log" in result.summary()
+
+
+def test_reattach_follow_and_stop_a_running_job(client, tmp_path):
+    row = {"rollout/step": 0, "step": 0, "rollout/raw_reward": 0.5}
+    code = f"import time; print('{jobs.METRICS_PREFIX}' + {json.dumps(json.dumps(row))}, flush=True); time.sleep(600)"
+    job = jobs.submit(client, f"{PY} -c {json.dumps(code)}", "long-run")
+    first = jobs.follow(client, job, metrics_out=tmp_path / "m.jsonl", poll=0.2, timeout=8)
+    assert first.status == "RUNNING" and first.rows == [row]
+    assert jobs.find_job(client, "long-run") == job  # what a restarted notebook re-attaches to
+    assert jobs.find_job(client, "no-such-run") is None
+    assert jobs.stop(client, job) == "STOPPED"
+    assert jobs.find_job(client, "long-run") is None
+    assert read_metrics(tmp_path / "m.jsonl") == [row]
+
+
+def test_a_dead_rollout_actor_is_reported_by_name(head):
+    ray.init(address=head.gcs, logging_level="ERROR")
+    try:
+        @ray.remote(num_cpus=0)
+        class Sleeper:
+            def generate(self, prompts, params, seed):
+                return []
+
+            def load(self, tensors):
+                return 0
+
+        alive, doomed = Sleeper.remote(), Sleeper.remote()
+        ray.get([alive.load.remote({}), doomed.load.remote({})])
+        ray.kill(doomed)
+        with pytest.raises(RuntimeError, match="rollout actor\\(s\\) died: glmkit-rollout-1"):
+            RayRollout([alive, doomed], ["glmkit-rollout-0", "glmkit-rollout-1"]).generate([[1], [2]], None, 0)
+    finally:
+        ray.shutdown()
+
+
+@pytest.mark.parametrize("line, row", [
+    (jobs.METRICS_PREFIX + '{"step": 2, "train/ppo_kl": 0.001}', {"step": 2, "train/ppo_kl": 0.001}),
+    ("step 3: {'train/grad_norm': 0.42, 'train/pg_loss': -1.5e-3, 'rollout/step': 3}",
+     {"train/grad_norm": 0.42, "train/pg_loss": -1.5e-3, "rollout/step": 3}),
+    ("rollout/raw_reward=0.75 perf/step_time=12.5", {"rollout/raw_reward": 0.75, "perf/step_time": 12.5}),
+    ("loading weights ... 45 layers", None),
+    (jobs.METRICS_PREFIX + "__import__('os').system('id')", None),
+    ("train/ppo_kl: __import__('os')", None),
+])
+def test_metric_lines_are_parsed_as_data(line, row):
+    assert jobs.parse_metric_line(line) == row
