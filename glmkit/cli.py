@@ -248,6 +248,86 @@ def cmd_ckpt_info(args) -> int:
     return 0
 
 
+def cmd_launch(args) -> int:
+    """Plan (and with --address / --local-head, run) a launch; see glmkit.launch."""
+    from glmkit.launch import jobs, plan
+    from glmkit.launch.cluster import LocalHead, connect, inventory
+
+    if args.backend == "builtin":
+        return _launch_builtin(args)
+    launch = plan(args.model_name, args.nodes, args.gpus_per_node, args.lora, hf_checkpoint=args.hf_checkpoint,
+                  ckpt_dir=args.ckpt_dir, prompt_data=args.prompt_data, gpu_mem_gib=args.gpu_memory_gib,
+                  max_tokens_per_gpu=args.max_tokens_per_gpu, num_rollout=args.num_rollout,
+                  response_len=args.rollout_max_response_len, enable_r3=args.enable_r3,
+                  inventory=inventory(args.address) if args.address and args.address.startswith("http") else None)
+    print(launch.text())
+    if args.dry_run or not args.address:
+        if not args.dry_run:
+            print("(no --address: nothing submitted)")
+        return 0 if launch.ok else 1
+    if not launch.ok:
+        print("glmkit launch: preflight failed; nothing submitted", file=sys.stderr)
+        return 1
+    client = connect(args.address)
+    train = launch.commands[-1]
+    job = jobs.submit(client, train.entrypoint(), args.run_name)
+    print(f"submitted {job} to {args.address}; following (Ctrl-C stops following, not the job)")
+    result = jobs.follow(client, job, metrics_out=args.metrics_out, on_log=lambda t: print(t, end=""))
+    print(result.summary())
+    return 0 if result.ok else 1
+
+
+def _launch_builtin(args) -> int:
+    import json as _json
+
+    from glmkit.launch import jobs
+    from glmkit.launch.cluster import LocalHead, connect, inventory
+    from glmkit.rl.health import run_verdict
+
+    if not args.address and not args.local_head:
+        raise ValueError("--backend builtin needs --address http://HOST:8265 or --local-head")
+    fields = {"model_name": args.model_name, "checkpoint": args.checkpoint, "prompt_data": args.prompt_data,
+              "num_rollout": args.num_rollout or 20, "rollout_batch_size": args.rollout_batch_size,
+              "n_samples_per_prompt": args.n_samples_per_prompt, "global_batch_size": args.global_batch_size,
+              "rollout_max_response_len": args.rollout_max_response_len, "enable_r3": args.enable_r3,
+              "device": args.device, "dtype": args.dtype, "seed": args.seed, "lora_rank": args.lora_rank,
+              "metrics_out": args.job_metrics_out or args.metrics_out + ".job", "overwrite": True}
+    fields = {k: v for k, v in fields.items() if v is not None}
+    from glmkit.rl.loop import TrainConfig
+
+    TrainConfig(**fields).resolved()  # a bad config fails here, before any cluster work
+    if args.dry_run:
+        print(jobs.builtin_entrypoint(fields, args.rollout_actors))
+        return 0
+    head = LocalHead.start() if args.local_head else None
+    try:
+        address = head.dashboard if head else args.address
+        nodes = inventory(address)
+        free = sum(n["gpus"] if args.device == "cuda" else n["cpus"] for n in nodes if n["alive"])
+        if free < args.rollout_actors:
+            raise ValueError(f"{args.rollout_actors} rollout actors need {args.rollout_actors} "
+                             f"{'GPU' if args.device == 'cuda' else 'CPU'} bundles; the cluster has {free}")
+        client = connect(address)
+        job = jobs.find_job(client, args.run_name) if args.reattach else None
+        if job is None:
+            python = jobs.local_python() if head else "python3"
+            job = jobs.submit(client, jobs.builtin_entrypoint(fields, args.rollout_actors, args.device == "cuda", python),
+                              args.run_name)
+            print(f"submitted {job}")
+        else:
+            print(f"re-attached to {job}")
+        result = jobs.follow(client, job, metrics_out=args.metrics_out,
+                             on_row=lambda r: print(_json.dumps(r)) if "rollout/step" in r and "train/step" not in r else None)
+    finally:
+        if head is not None:
+            head.stop()
+    print(result.summary())
+    if result.ok:
+        verdict = run_verdict(result.rows, args.model_name)
+        print(f"run verdict: {verdict['verdict']}" + "".join(f"\n  - {r}" for r in verdict["reasons"]))
+    return 0 if result.ok else 1
+
+
 def cmd_variants(args) -> int:
     from glmkit.config import VARIANTS, describe, variant_config
 
@@ -391,6 +471,39 @@ def build_parser() -> argparse.ArgumentParser:
     p = ckpt.add_parser("info", help="validate a checkpoint and summarise it")
     p.add_argument("path")
     p.set_defaults(func=cmd_ckpt_info)
+
+    p = sub.add_parser("launch", help="plan, preflight and run the recipe's launch (miles) or glmkit's GRPO on Ray")
+    p.add_argument("--backend", default="miles", choices=["miles", "builtin"])
+    p.add_argument("--model-name", default="GLM-5.3-Flash",
+                   choices=["GLM-5.3-Flash", "GLM-5.3-Flash-4layer", "tiny"])
+    p.add_argument("--nodes", type=_positive, default=16)
+    p.add_argument("--gpus-per-node", type=_positive, default=4)
+    p.add_argument("--lora", action="store_true", help="the LoRA launcher's layouts (miles)")
+    p.add_argument("--address", help="Ray cluster: http://HOST:8265 (Jobs API)")
+    p.add_argument("--local-head", action="store_true", help="start a Ray head on 127.0.0.1 for this run (builtin)")
+    p.add_argument("--dry-run", action="store_true", help="print the preflight and the commands only")
+    p.add_argument("--run-name", default="glmkit-launch", help="the job's tag (re-attach finds it by this)")
+    p.add_argument("--reattach", action="store_true", help="follow the running job of --run-name if there is one")
+    p.add_argument("--metrics-out", default="reports/launch/metrics.jsonl")
+    p.add_argument("--hf-checkpoint", help="miles: the HF checkpoint directory (checked: config, weights)")
+    p.add_argument("--ckpt-dir", help="miles: --ckpt-dir; --ref-load is <ckpt-dir>/<model type>_torch_dist")
+    p.add_argument("--prompt-data", help="the dataset (jsonl; first rows checked)")
+    p.add_argument("--gpu-memory-gib", type=float, help="per-GPU memory for the memory check (default: the inventory's)")
+    p.add_argument("--max-tokens-per-gpu", type=_positive, default=8192)
+    p.add_argument("--num-rollout", type=_positive)
+    p.add_argument("--rollout-max-response-len", type=_positive)
+    p.add_argument("--enable-r3", action="store_true")
+    p.add_argument("--checkpoint", help="builtin: HF checkpoint directory (tiny: the shipped one)")
+    p.add_argument("--rollout-batch-size", type=_positive)
+    p.add_argument("--n-samples-per-prompt", type=_positive, default=8)
+    p.add_argument("--global-batch-size", type=_positive)
+    p.add_argument("--rollout-actors", type=_positive, default=1)
+    p.add_argument("--lora-rank", type=int, default=0)
+    p.add_argument("--device", default="cpu", choices=DEVICES)
+    p.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--job-metrics-out", help="builtin: where the trainer actor writes its own metrics file")
+    p.set_defaults(func=cmd_launch)
 
     p = sub.add_parser("variants", help="list the model variants")
     p.set_defaults(func=cmd_variants)

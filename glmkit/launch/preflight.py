@@ -197,3 +197,102 @@ def preflight(config, shape: Shape, inventory=None, gpu_mem_gib: float | None = 
     elif not gpu_mem_gib:
         checks.append(Check("memory per GPU", False, "GPU memory unknown: give gpu_mem_gib or a cluster inventory"))
     return checks
+
+
+# ---- paths ------------------------------------------------------------------------------------
+MODEL_LAYERS = {"GLM-5.3-Flash": 45, "GLM-5.3-Flash-4layer": 4}
+
+
+def hf_checkpoint_check(model: str, path) -> Check:
+    """config.json: model_type glm5_next, the model's layer count; the indexer's index_kpool and
+    index_topk are read from it and reported (never assumed: community ports differ)."""
+    path = Path(path)
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        return Check("HF checkpoint", False, f"{config_file} not found")
+    try:
+        config = json.loads(config_file.read_text())
+    except (ValueError, UnicodeDecodeError) as err:
+        return Check("HF checkpoint", False, f"{config_file} is not JSON: {err}")
+    if not isinstance(config, dict):
+        return Check("HF checkpoint", False, f"{config_file} is not a JSON object")
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    problems, found = [], {}
+    model_type = config.get("model_type")
+    if model_type != "glm5_next":
+        problems.append(f"model_type {model_type!r} (expected 'glm5_next')")
+    for key in ("num_hidden_layers", "index_kpool", "index_topk"):
+        if not isinstance(text.get(key), int):
+            problems.append(f"{key} missing or not an integer")
+        else:
+            found[key] = text[key]
+    want = MODEL_LAYERS.get(model)
+    if want is not None and found.get("num_hidden_layers") not in (None, want):
+        problems.append(f"num_hidden_layers {found['num_hidden_layers']} (a {model} checkpoint has {want})")
+    if not any(path.glob("*.safetensors")):
+        problems.append("no *.safetensors weights")
+    detail = ", ".join(f"{k} {v}" for k, v in found.items())
+    if problems:
+        return Check("HF checkpoint", False, f"{path}: " + "; ".join(problems) + (f" (read: {detail})" if detail else ""))
+    return Check("HF checkpoint", True, f"{path}: glm5_next, {detail}")
+
+
+def torch_dist_check(model: str, ckpt_dir, layers: int | None = None) -> Check:
+    """--ref-load = <ckpt-dir>/<megatron_model_type>_torch_dist: the tracker file names `release`
+    or an iteration, that folder has `.metadata`, and the metadata names every decoder layer plus the
+    embedding and the output layer. `.metadata` is a pickle: it is never unpickled here, only its
+    bytes searched for the tensor-name prefixes (`decoder.layers.<i>.` with global layer numbers,
+    `embedding.`, `output_layer.`)."""
+    from glmkit.launch.commands import torch_dist_dir
+
+    root = Path(torch_dist_dir(str(ckpt_dir), model))
+    name = "reference checkpoint (--ref-load)"
+    if not root.is_dir():
+        return Check(name, False, f"{root} not found: run the conversion command first")
+    tracker = root / "latest_checkpointed_iteration.txt"
+    if not tracker.is_file():
+        return Check(name, False, f"{tracker} not found (an interrupted conversion?)")
+    mark = tracker.read_text(errors="replace").strip()
+    if mark == "release":
+        folder = root / "release"
+    elif mark.isdigit():
+        folder = root / f"iter_{int(mark):07d}"
+    else:
+        return Check(name, False, f"{tracker} says {mark[:40]!r}; expected 'release' or an iteration number")
+    meta = folder / ".metadata"
+    if not meta.is_file():
+        return Check(name, False, f"{meta} not found: incomplete torch_dist directory")
+    blob = meta.read_bytes()
+    layers = layers if layers is not None else MODEL_LAYERS.get(model, 0)
+    missing = [f"decoder.layers.{i}." for i in range(layers) if f"decoder.layers.{i}.".encode() not in blob]
+    missing += [p for p in ("embedding.", "output_layer.") if p.encode() not in blob]
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        return Check(name, False, f"{meta} names no tensors under {shown}")
+    return Check(name, True, f"{folder}: tracker {mark!r}, .metadata covers {layers} layers, embedding and output")
+
+
+def dataset_check(path, input_key: str = "prompt", label_key: str = "label", rows: int = 3) -> Check:
+    """The dataset exists and its first rows are JSON objects with the input and label keys."""
+    path = Path(path)
+    if not path.is_file():
+        return Check("dataset", False, f"{path} not found")
+    seen = 0
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            try:
+                row = json.loads(raw)
+            except (ValueError, UnicodeDecodeError) as err:
+                return Check("dataset", False, f"{path} line {number}: not JSON ({str(err)[:80]})")
+            if not isinstance(row, dict) or input_key not in row or label_key not in row:
+                keys = sorted(row)[:6] if isinstance(row, dict) else type(row).__name__
+                return Check("dataset", False, f"{path} line {number}: needs keys {input_key!r} and {label_key!r} "
+                                               f"(has {keys})")
+            seen += 1
+            if seen == rows:
+                break
+    if not seen:
+        return Check("dataset", False, f"{path} has no rows")
+    return Check("dataset", True, f"{path}: first {seen} rows parse with {input_key!r} and {label_key!r}")
