@@ -9,7 +9,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.glmkit-installed
 
-.PHONY: setup report report-grpo test bench clean
+.PHONY: setup report report-grpo report-launch test bench clean
 
 setup: $(STAMP)
 
@@ -24,6 +24,9 @@ report: setup
 
 report-grpo: setup
 	$(VENV)/bin/glmkit report notebooks/02_smoke_grpo.ipynb --out reports/02_smoke_grpo -p model_name tiny
+
+report-launch: setup
+	$(VENV)/bin/glmkit report notebooks/03_multinode_launch.ipynb --out reports/03_multinode_launch
 
 test: setup
 	$(PY) -m pytest -q

@@ -130,6 +130,15 @@ def test_a_dead_rollout_actor_is_reported_by_name(head):
         ray.shutdown()
 
 
+def test_ray_client_address_connects_the_driver(head):
+    driver = connect(head.client)
+    try:
+        assert driver.is_initialized()
+        assert driver.get(driver.remote(lambda: 6 * 7).remote()) == 42
+    finally:
+        driver.shutdown()
+
+
 @pytest.mark.parametrize("line, row", [
     (jobs.METRICS_PREFIX + '{"step": 2, "train/ppo_kl": 0.001}', {"step": 2, "train/ppo_kl": 0.001}),
     ("step 3: {'train/grad_norm': 0.42, 'train/pg_loss': -1.5e-3, 'rollout/step': 3}",

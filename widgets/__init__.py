@@ -2,7 +2,8 @@
 
 from widgets.parity import (KdaErrorCurve, LogprobHistogram, SiteHeatmap, TopkOverlap, VerdictBanner,
                             figure_png, show)
+from widgets.launch import InventoryTable, PreflightTable
 from widgets.training import HealthTable, LiveMetrics
 
 __all__ = ["SiteHeatmap", "LogprobHistogram", "KdaErrorCurve", "TopkOverlap", "VerdictBanner", "LiveMetrics",
-           "HealthTable", "show", "figure_png"]
+           "HealthTable", "InventoryTable", "PreflightTable", "show", "figure_png"]
