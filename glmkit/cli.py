@@ -14,22 +14,24 @@ DEVICES = ["cpu", "cuda"]
 
 
 def _backends(args):
-    """The one Backends value of a run, from --kda-backend / --dsa-backend / --moe-backend."""
+    """The one Backends value of a run, from --kda-backend / --dsa-backend / --moe-backend / --fuse."""
     from glmkit.kernels.backends import Backends
 
-    return Backends(kda=args.kda_backend, dsa=args.dsa_backend, moe=args.moe_backend)
+    return Backends(kda=args.kda_backend, dsa=args.dsa_backend, moe=args.moe_backend, fuse=args.fuse)
 
 
 def _backend_arguments(p):
-    from glmkit.kernels.backends import DSA_BACKENDS, KDA_BACKENDS, MOE_BACKENDS, Backends
+    from glmkit.kernels.backends import DSA_BACKENDS, FUSE_MODES, KDA_BACKENDS, MOE_BACKENDS, Backends
 
     default = Backends()
     p.add_argument("--kda-backend", default=default.kda, choices=list(KDA_BACKENDS),
                    help="KDA kernels: torch (reference) or fla (CUDA)")
     p.add_argument("--dsa-backend", default=default.dsa, choices=list(DSA_BACKENDS),
-                   help="sparse MLA for full sequences: naive (reference) or absorbed")
+                   help="sparse MLA for full sequences: naive (reference), absorbed, triton (CUDA) or auto")
     p.add_argument("--moe-backend", default=default.moe, choices=list(MOE_BACKENDS),
                    help="routed experts: loop (reference), grouped (torch._grouped_mm, CUDA bf16) or auto")
+    p.add_argument("--fuse", default=default.fuse, choices=list(FUSE_MODES),
+                   help="fused elementwise kernels (torch.compile): auto (on CUDA), on, off (eager reference)")
 
 
 def _positive(text: str) -> int:
