@@ -397,93 +397,123 @@ class GRPOTrainer:
         """One rollout and its optimizer steps -> the metric rows, as the recipe's framework logs them:
         one `train/*` row per optimizer step (`train/step` = rollout x steps per rollout + step id,
         each row's metrics over that step's samples), then one `rollout/*` + `perf/*` row
-        (`rollout/step`). Every row also carries `step` (the rollout), for readers of either kind."""
-        cfg = self.cfg
+        (`rollout/step`). Every row also carries `step` (the rollout), for readers of either kind.
+        The phases: rollout, batch building, log-prob recompute, updates, sync, rollout metrics."""
         t0 = time.time()
         samples, completions, rewards = self.rollout(step)
         t_rollout = time.time() - t0
+        batch = self.build_batch(completions, rewards)
+        self.recompute(batch)
+        t1 = time.time()
+        minibatches = len(completions) // self.cfg.global_batch_size
+        rows = [self.update(batch, step, mb, minibatches) for mb in range(minibatches)]
+        self.sync()
+        rows.append(self.rollout_metrics(step, batch, rewards, t0, t_rollout, time.time() - t1))
+        return rows
+
+    def build_batch(self, completions, rewards) -> dict:
+        """Packed sequences and what the updates need from the rollout: response mask, rollout
+        log-probs, routing and DSA selections (see _pack), per-token group advantages."""
         input_ids, packed, mask, rollout_logp, routing, topk = self._pack(completions)
-        n = len(completions)
-        sample_of = packed.seq_index.cpu()
+        advantages = grpo.group_advantages(rewards, self.cfg.n_samples_per_prompt)
+        return {"completions": completions, "input_ids": input_ids, "packed": packed, "mask": mask,
+                "rollout_logp": rollout_logp, "routing": routing, "topk": topk,
+                "adv_tok": advantages[packed.seq_index.cpu()]}
+
+    @torch.no_grad()
+    def recompute(self, batch: dict):
+        """The trainer's "old" log-probs before the update (of softmax(logits / T), the distribution the
+        rollout sampled from), the reference model's if KL is on, and the per-token comparisons with
+        the rollout: abs diff, KL, routing and top-k mismatches. Adds them to `batch`."""
+        cfg = self.cfg
+        routing, topk = batch["routing"], batch["topk"]
         replay = routing if cfg.enable_r3 else None
         topk_replay = topk if cfg.use_rollout_indexer_replay else None
         scores = {}
-        with torch.no_grad():  # "old" log-probs: the trainer's recompute before the update
-            # log-probs of softmax(logits / T): the distribution the rollout sampled from
-            old = self.train_path.forward(input_ids=input_ids, packed=packed, routing=replay, topk_replay=topk_replay,
-                                          temperature=cfg.rollout_temperature,
-                                          record_scores=bool(topk), record=lambda layer, site, v: scores.__setitem__(
-                                              layer, v.cpu()) if site == "indexer_scores" else None)
-            old_logp = old.logprobs.float().cpu()
-            ref_logp = (None if self.reference is None else
-                        type(self.train_path)(self.reference, cfg.backends)
-                        .forward(input_ids=input_ids, packed=packed, routing=replay, topk_replay=topk_replay,
-                                 temperature=cfg.rollout_temperature).logprobs.float().cpu())
+        old = self.train_path.forward(input_ids=batch["input_ids"], packed=batch["packed"], routing=replay,
+                                      topk_replay=topk_replay, temperature=cfg.rollout_temperature,
+                                      record_scores=bool(topk), record=lambda layer, site, v: scores.__setitem__(
+                                          layer, v.cpu()) if site == "indexer_scores" else None)
+        old_logp = old.logprobs.float().cpu()
+        batch["old_logp"] = old_logp
+        batch["ref_logp"] = (None if self.reference is None else
+                             type(self.train_path)(self.reference, cfg.backends)
+                             .forward(input_ids=batch["input_ids"], packed=batch["packed"], routing=replay,
+                                      topk_replay=topk_replay, temperature=cfg.rollout_temperature)
+                             .logprobs.float().cpu())
         # per token, once; each optimizer step's row reduces them over its own samples
-        abs_diff = (old_logp - rollout_logp).abs()
-        rollout_kl = grpo.kl_estimate(rollout_logp, old_logp, "low_var_kl")
-        routing_differs = sum((old.routing[layer].sort(-1).values.cpu() != routing[layer].sort(-1).values.cpu())
-                              .any(-1).long() for layer in routing) if routing else None
-        topk_kinds = topk_row_kinds(old.topk, topk, scores, mask, self.policy.config.index_kpool, self.policy.dtype)
-        advantages = grpo.group_advantages(rewards, cfg.n_samples_per_prompt)
-        adv_tok = advantages[sample_of]
-        t1 = time.time()
-        rows = []
-        minibatches = n // cfg.global_batch_size
-        for mb in range(minibatches):
-            ids = list(range(mb * cfg.global_batch_size, (mb + 1) * cfg.global_batch_size))
-            sub_in, sub_packed, sub_mask, _, sub_routing, sub_topk = self._pack([completions[i] for i in ids])
-            sub_rows = torch.cat([torch.arange(*packed.bounds()[i]) for i in ids])
-            row = {"train/step": step * minibatches + mb, "rollout/step": step, "step": step}
-            sub_of_cpu = sub_packed.seq_index.cpu()
-            row["train/train_rollout_logprob_abs_diff"] = grpo.sample_mean(
-                abs_diff[sub_rows], sub_mask, sub_of_cpu, len(ids)).item()
-            row["train/train_rollout_kl"] = grpo.sample_mean(rollout_kl[sub_rows], sub_mask, sub_of_cpu, len(ids)).item()
-            responses = int(sub_mask.sum())
-            if routing_differs is not None:
-                row["train/routing_mismatch_frac"] = (routing_differs[sub_rows][sub_mask].sum().item()
-                                                      / max(1, responses * len(routing)))
-            if topk_kinds is not None:
-                differs, ties = (k[sub_rows][sub_mask].sum().item() for k in topk_kinds)
-                row["train/topk_mismatch_frac"] = differs / max(1, responses * len(topk))
-                row["train/topk_tie_frac"] = ties / max(1, responses * len(topk))
-            out = self.train_path.forward(input_ids=sub_in, packed=sub_packed, return_entropy=True,
-                                          temperature=cfg.rollout_temperature,
-                                          routing=sub_routing if cfg.enable_r3 else None,
-                                          topk_replay=sub_topk if cfg.use_rollout_indexer_replay else None)
-            sub_of = sub_packed.seq_index
-            m = sub_mask.to(out.logprobs.device)
-            loss_tok, clipped, kl_tok = grpo.ppo_clip_loss(out.logprobs.float(), old_logp[sub_rows].to(m.device),
-                                                          adv_tok[sub_rows].to(m.device), cfg.eps_clip, cfg.eps_clip_high)
-            pg_loss = grpo.sample_mean(loss_tok, m, sub_of, len(ids))
-            entropy = grpo.sample_mean(out.entropy, m, sub_of, len(ids))  # of softmax(logits / T)
-            loss = pg_loss - cfg.entropy_coef * entropy
-            row["train/entropy_loss"] = entropy.item()
-            if self.reference is not None:
-                kl = grpo.sample_mean(grpo.kl_estimate(out.logprobs, ref_logp[sub_rows].to(m.device), cfg.kl_loss_type),
-                                      m, sub_of, len(ids))
-                loss = loss + cfg.kl_loss_coef * kl
-                row["train/kl_loss"] = kl.item()
+        batch["abs_diff"] = (old_logp - batch["rollout_logp"]).abs()
+        batch["rollout_kl"] = grpo.kl_estimate(batch["rollout_logp"], old_logp, "low_var_kl")
+        batch["routing_differs"] = sum(
+            (old.routing[layer].sort(-1).values.cpu() != routing[layer].sort(-1).values.cpu()).any(-1).long()
+            for layer in routing) if routing else None
+        batch["topk_kinds"] = topk_row_kinds(old.topk, topk, scores, batch["mask"], self.policy.config.index_kpool,
+                                             self.policy.dtype)
+
+    def update(self, batch: dict, step: int, mb: int, minibatches: int) -> dict:
+        """Optimizer step `mb` of rollout `step` over its global_batch_size samples -> its train row."""
+        cfg = self.cfg
+        completions, packed = batch["completions"], batch["packed"]
+        routing, topk = batch["routing"], batch["topk"]
+        ids = list(range(mb * cfg.global_batch_size, (mb + 1) * cfg.global_batch_size))
+        sub_in, sub_packed, sub_mask, _, sub_routing, sub_topk = self._pack([completions[i] for i in ids])
+        sub_rows = torch.cat([torch.arange(*packed.bounds()[i]) for i in ids])
+        row = {"train/step": step * minibatches + mb, "rollout/step": step, "step": step}
+        sub_of_cpu = sub_packed.seq_index.cpu()
+        row["train/train_rollout_logprob_abs_diff"] = grpo.sample_mean(
+            batch["abs_diff"][sub_rows], sub_mask, sub_of_cpu, len(ids)).item()
+        row["train/train_rollout_kl"] = grpo.sample_mean(batch["rollout_kl"][sub_rows], sub_mask, sub_of_cpu,
+                                                         len(ids)).item()
+        responses = int(sub_mask.sum())
+        if batch["routing_differs"] is not None:
+            row["train/routing_mismatch_frac"] = (batch["routing_differs"][sub_rows][sub_mask].sum().item()
+                                                  / max(1, responses * len(routing)))
+        if batch["topk_kinds"] is not None:
+            differs, ties = (k[sub_rows][sub_mask].sum().item() for k in batch["topk_kinds"])
+            row["train/topk_mismatch_frac"] = differs / max(1, responses * len(topk))
+            row["train/topk_tie_frac"] = ties / max(1, responses * len(topk))
+        out = self.train_path.forward(input_ids=sub_in, packed=sub_packed, return_entropy=True,
+                                      temperature=cfg.rollout_temperature,
+                                      routing=sub_routing if cfg.enable_r3 else None,
+                                      topk_replay=sub_topk if cfg.use_rollout_indexer_replay else None)
+        sub_of = sub_packed.seq_index
+        m = sub_mask.to(out.logprobs.device)
+        old_logp = batch["old_logp"]
+        loss_tok, clipped, kl_tok = grpo.ppo_clip_loss(out.logprobs.float(), old_logp[sub_rows].to(m.device),
+                                                      batch["adv_tok"][sub_rows].to(m.device), cfg.eps_clip,
+                                                      cfg.eps_clip_high)
+        pg_loss = grpo.sample_mean(loss_tok, m, sub_of, len(ids))
+        entropy = grpo.sample_mean(out.entropy, m, sub_of, len(ids))  # of softmax(logits / T)
+        loss = pg_loss - cfg.entropy_coef * entropy
+        row["train/entropy_loss"] = entropy.item()
+        if self.reference is not None:
+            kl = grpo.sample_mean(grpo.kl_estimate(out.logprobs, batch["ref_logp"][sub_rows].to(m.device),
+                                                   cfg.kl_loss_type), m, sub_of, len(ids))
+            loss = loss + cfg.kl_loss_coef * kl
+            row["train/kl_loss"] = kl.item()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, cfg.clip_grad)
+        row["train/pg_loss"] = pg_loss.item()
+        row["train/grad_norm"] = grad_norm.item()
+        if math.isfinite(row["train/pg_loss"]) and math.isfinite(row["train/grad_norm"]) and \
+                math.isfinite(loss.item()):
+            self.optimizer.step()
+            self.nonfinite_streak = 0
+        else:  # a NaN / Inf update would poison the weights and crash the next sampling
             self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, cfg.clip_grad)
-            row["train/pg_loss"] = pg_loss.item()
-            row["train/grad_norm"] = grad_norm.item()
-            if math.isfinite(row["train/pg_loss"]) and math.isfinite(row["train/grad_norm"]) and \
-                    math.isfinite(loss.item()):
-                self.optimizer.step()
-                self.nonfinite_streak = 0
-            else:  # a NaN / Inf update would poison the weights and crash the next sampling
-                self.optimizer.zero_grad(set_to_none=True)
-                self.nonfinite_streak += 1
-                row["train/step_skipped"] = True
-            row["train/pg_clipfrac"] = grpo.sample_mean(clipped, m, sub_of, len(ids)).item()
-            row["train/ppo_kl"] = grpo.sample_mean(kl_tok, m, sub_of, len(ids)).item()
-            rows.append(row)
-        self.sync()
-        t_train = time.time() - t1
+            self.nonfinite_streak += 1
+            row["train/step_skipped"] = True
+        row["train/pg_clipfrac"] = grpo.sample_mean(clipped, m, sub_of, len(ids)).item()
+        row["train/ppo_kl"] = grpo.sample_mean(kl_tok, m, sub_of, len(ids)).item()
+        return row
+
+    def rollout_metrics(self, step: int, batch: dict, rewards, t0: float, t_rollout: float, t_train: float) -> dict:
+        """The rollout's `rollout/*` and `perf/*` row."""
+        completions = batch["completions"]
+        n = len(completions)
         lengths = torch.tensor([len(c.tokens) for c in completions], dtype=torch.float32)
-        tokens = int(packed.num_tokens)
+        tokens = int(batch["packed"].num_tokens)
         summary = {"rollout/step": step, "step": step, "rollout/raw_reward": rewards.mean().item(),
                    "rollout/response_lengths": lengths.mean().item(),
                    "rollout/truncated": sum(c.finish_reason == "length" for c in completions) / n,
@@ -491,8 +521,7 @@ class GRPOTrainer:
                    "perf/tokens_per_s": tokens / max(1e-9, t_rollout + t_train), "perf/step_time": time.time() - t0}
         if self.policy.device.type == "cuda":
             summary["perf/max_memory_allocated_gib"] = torch.cuda.max_memory_allocated(self.policy.device) / 2**30
-        rows.append(summary)
-        return rows
+        return summary
 
     def run(self, on_metrics=None) -> list[dict]:
         """Every rollout from `start_step` to `num_rollout`: its rows appended to `metrics_out` as they
