@@ -261,6 +261,8 @@ def cmd_launch(args) -> int:
                   ckpt_dir=args.ckpt_dir, prompt_data=args.prompt_data, gpu_mem_gib=args.gpu_memory_gib,
                   max_tokens_per_gpu=args.max_tokens_per_gpu, num_rollout=args.num_rollout,
                   response_len=args.rollout_max_response_len, enable_r3=args.enable_r3,
+                  first_stage_layers=args.decoder_first_pipeline_num_layers,
+                  last_stage_layers=args.decoder_last_pipeline_num_layers,
                   inventory=inventory(args.address) if args.address and args.address.startswith("http") else None)
     print(launch.text())
     if args.dry_run or not args.address:
@@ -492,6 +494,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-data", help="the dataset (jsonl; first rows checked)")
     p.add_argument("--gpu-memory-gib", type=float, help="per-GPU memory for the memory check (default: the inventory's)")
     p.add_argument("--max-tokens-per-gpu", type=_positive, default=8192)
+    p.add_argument("--decoder-first-pipeline-num-layers", type=_positive, help="the first stage's layers")
+    p.add_argument("--decoder-last-pipeline-num-layers", type=_positive,
+                   help="the last stage's layers (default: the shape's, 12 for the PP-4 shapes)")
     p.add_argument("--num-rollout", type=_positive)
     p.add_argument("--rollout-max-response-len", type=_positive)
     p.add_argument("--enable-r3", action="store_true")

@@ -131,3 +131,68 @@ def test_commands_are_the_recipes():
     env = commands.runtime_env({"NCCL_NVLS_ENABLE": "1", "MASTER_ADDR": "10.0.0.1"})["env_vars"]
     assert env["NCCL_NVLS_ENABLE"] == "0" and env["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"
     assert env["NVSHMEM_DISABLE_NVLS"] == "1" and env["MASTER_ADDR"] == "10.0.0.1"
+
+
+def test_cli_dry_run_prints_preflight_then_commands(capsys):
+    from glmkit.cli import main
+
+    rc = main(["launch", "--model-name", "GLM-5.3-Flash", "--nodes", "16", "--gpus-per-node", "4", "--dry-run",
+               "--gpu-memory-gib", "288", "--num-rollout", "20", "--rollout-max-response-len", "4096"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert out.index("preflight:") < out.index("commands:")
+    assert "PASS  pipeline split: 45 layers over PP 4: 11 / 11 / 11 / 12" in out
+    assert "MILES_SCRIPT_EXTERNAL_RAY=1 python scripts/run_glm5_3_flash.py train" in out
+
+
+def test_cli_impossible_shape_exits_2_before_printing_commands(capsys):
+    from glmkit.cli import main
+
+    rc = main(["launch", "--model-name", "GLM-5.3-Flash", "--nodes", "2", "--gpus-per-node", "4", "--dry-run"])
+    captured = capsys.readouterr()
+    assert rc == 2 and captured.out == ""
+    assert "no layout of the recipe for GLM-5.3-Flash on 2 x 4 GPUs" in captured.err
+
+
+def test_cli_failing_preflight_exits_1_and_names_the_check(capsys, tmp_path):
+    from glmkit.cli import main
+
+    (tmp_path / "data.jsonl").write_text('{"question": "1+1", "label": "2"}\n')
+    rc = main(["launch", "--model-name", "GLM-5.3-Flash-4layer", "--nodes", "1", "--gpus-per-node", "8", "--dry-run",
+               "--gpu-memory-gib", "141", "--prompt-data", str(tmp_path / "data.jsonl"),
+               "--hf-checkpoint", str(tmp_path / "missing"), "--ckpt-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 1
+    assert "FAIL  dataset" in out and "needs keys 'prompt' and 'label'" in out
+    assert "FAIL  HF checkpoint" in out and "config.json not found" in out
+    assert "FAIL  reference checkpoint (--ref-load)" in out and "glm5.3-flash-4layer_torch_dist not found" in out
+
+
+def test_path_checks_on_real_files(tiny_ckpt, tmp_path):
+    from glmkit.launch.preflight import dataset_check, hf_checkpoint_check, torch_dist_check
+
+    ok = hf_checkpoint_check("tiny", tiny_ckpt)   # a model with no fixed layer count: config read and reported
+    assert ok.ok and "index_kpool" in ok.detail and "index_topk" in ok.detail
+    wrong = hf_checkpoint_check("GLM-5.3-Flash", tiny_ckpt)
+    assert not wrong.ok and "(a GLM-5.3-Flash checkpoint has 45)" in wrong.detail
+    root = tmp_path / "glm5.3-flash-4layer_torch_dist"
+    (root / "release").mkdir(parents=True)
+    (root / "latest_checkpointed_iteration.txt").write_text("release\n")
+    assert "incomplete torch_dist" in torch_dist_check("GLM-5.3-Flash-4layer", tmp_path).detail
+    names = b"".join(f"decoder.layers.{i}.self_attention.x".encode() for i in range(3))
+    (root / "release" / ".metadata").write_bytes(b"\x80\x04" + names + b"embedding.word_embeddings.weight")
+    bad = torch_dist_check("GLM-5.3-Flash-4layer", tmp_path)
+    assert not bad.ok and "decoder.layers.3., output_layer." in bad.detail
+    (root / "release" / ".metadata").write_bytes(b"\x80\x04" + names + b"decoder.layers.3.x embedding.w output_layer.w")
+    assert torch_dist_check("GLM-5.3-Flash-4layer", tmp_path).ok
+    (root / "latest_checkpointed_iteration.txt").write_text("12")
+    assert "iter_0000012" in torch_dist_check("GLM-5.3-Flash-4layer", tmp_path).detail
+    (root / "latest_checkpointed_iteration.txt").write_text("rm -rf /")
+    assert "expected 'release' or an iteration number" in torch_dist_check("GLM-5.3-Flash-4layer", tmp_path).detail
+    data = tmp_path / "d.jsonl"
+    data.write_bytes(b'{"prompt": [{"role": "user", "content": "hi"}], "label": "3"}\n\xff\xfe\n')
+    assert "line 2: not JSON" in dataset_check(data).detail  # the first rows (up to 3) must all parse
+    data.write_bytes(b'{"prompt": "p", "label": "1"}\n' * 2 + b'{"prompt": "p", "label": "2"}\n' + b"\xff\n")
+    assert dataset_check(data).ok  # rows after the first three are not read
+    data.write_bytes(b"\xff\xfe not json\n")
+    assert "line 1: not JSON" in dataset_check(data).detail

@@ -32,16 +32,19 @@ def plan(model: str, nodes: int, gpus_per_node: int, lora: bool = False, *, hf_c
          ckpt_dir: str | None = None, prompt_data: str | None = None, input_key: str = "prompt",
          label_key: str = "label", inventory: list | None = None, gpu_mem_gib: float | None = None,
          max_tokens_per_gpu: int = 8192, num_rollout: int | None = None, response_len: int | None = None,
-         enable_r3: bool = False) -> LaunchPlan:
+         enable_r3: bool = False, first_stage_layers: int | None = None,
+         last_stage_layers: int | None = None) -> LaunchPlan:
     """The shape for the request (NoShape, a ValueError, when none fits), every preflight check and
     the commands. Paths are checked when given; the model config is the variant's, and the HF
-    checkpoint's own config is checked against it."""
+    checkpoint's own config is checked against it. `first_stage_layers` / `last_stage_layers` are
+    the framework's --decoder-first/last-pipeline-num-layers (default: the shape's)."""
     from glmkit.config import variant_config
     from glmkit.launch import commands, preflight
     from glmkit.launch.shapes import pick_shape
 
     shape = pick_shape(model, nodes, gpus_per_node, lora)
-    checks = preflight.preflight(variant_config(model), shape, inventory, gpu_mem_gib, max_tokens_per_gpu)
+    checks = preflight.preflight(variant_config(model), shape, inventory, gpu_mem_gib, max_tokens_per_gpu,
+                                 first_stage_layers, last_stage_layers)
     if hf_checkpoint:
         checks.append(preflight.hf_checkpoint_check(model, hf_checkpoint))
     if ckpt_dir:
