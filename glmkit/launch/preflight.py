@@ -22,6 +22,7 @@ Both phases must fit in the GPU's memory less 10% headroom.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -109,6 +110,18 @@ def cluster_check(shape: Shape, inventory) -> Check:
 
 
 # ---- memory -----------------------------------------------------------------------------------
+def _dense_and_expert(shapes: dict) -> tuple[int, int]:
+    """Parameter counts of {name: shape}: (everything but the routed experts, the routed experts)."""
+    dense = expert = 0
+    for name, dims in shapes.items():
+        size = math.prod(dims)
+        if ".experts." in name:
+            expert += size
+        else:
+            dense += size
+    return dense, expert
+
+
 def stage_parameters(config, shape: Shape, split) -> list[dict]:
     """Per stage: dense, expert and (first/last stage) embedding / LM-head parameter counts."""
     from glmkit.checkpoint.names import layer_tensors
@@ -117,14 +130,8 @@ def stage_parameters(config, shape: Shape, split) -> list[dict]:
     for stage, n in enumerate(split):
         dense = expert = 0
         for i in range(start, start + n):
-            for name, dims in layer_tensors(config, i).items():
-                size = 1
-                for d in dims:
-                    size *= d
-                if ".experts." in name:
-                    expert += size
-                else:
-                    dense += size
+            d, e = _dense_and_expert(layer_tensors(config, i))
+            dense, expert = dense + d, expert + e
         vocab = config.vocab_size * config.hidden_size
         embed = vocab if stage == 0 else 0
         head = vocab if stage == len(split) - 1 and not config.tie_word_embeddings else 0
@@ -169,15 +176,7 @@ def memory_check(config, shape: Shape, split, gpu_mem_gib: float, max_tokens_per
 def _engine_weights(config, shape: Shape) -> float:
     from glmkit.checkpoint.names import expected_tensors
 
-    dense = expert = 0
-    for name, dims in expected_tensors(config).items():
-        size = 1
-        for d in dims:
-            size *= d
-        if ".experts." in name:
-            expert += size
-        else:
-            dense += size
+    dense, expert = _dense_and_expert(expected_tensors(config))
     return 2 * (dense / shape.engine_tp + expert / shape.engine_ep)
 
 
