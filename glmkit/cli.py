@@ -273,12 +273,17 @@ def cmd_launch(args) -> int:
         print("glmkit launch: preflight failed; nothing submitted", file=sys.stderr)
         return 1
     client = connect(args.address)
-    train = launch.commands[-1]
-    job = jobs.submit(client, train.entrypoint(), args.run_name)
-    print(f"submitted {job} to {args.address}; following (Ctrl-C stops following, not the job)")
-    result = jobs.follow(client, job, metrics_out=args.metrics_out, on_log=lambda t: print(t, end=""))
-    print(result.summary())
-    return 0 if result.ok else 1
+    # the conversion is the user's own step (it runs once, and --ref-load is checked above); a LoRA
+    # launch needs the launcher's prepare step before its train step
+    steps = [c for c in launch.commands if c.name in ("lora-prepare", "train")]
+    for cmd in steps:
+        job = jobs.submit(client, cmd.entrypoint(), f"{args.run_name}-{cmd.name}" if cmd.name != "train" else args.run_name)
+        print(f"submitted {cmd.name} as {job} to {args.address}; following (Ctrl-C stops following, not the job)")
+        result = jobs.follow(client, job, metrics_out=args.metrics_out, on_log=lambda t: print(t, end=""))
+        print(result.summary())
+        if not result.ok:
+            return 1
+    return 0
 
 
 def _launch_builtin(args) -> int:
@@ -295,7 +300,7 @@ def _launch_builtin(args) -> int:
               "n_samples_per_prompt": args.n_samples_per_prompt, "global_batch_size": args.global_batch_size,
               "rollout_max_response_len": args.rollout_max_response_len, "enable_r3": args.enable_r3,
               "device": args.device, "dtype": args.dtype, "seed": args.seed, "lora_rank": args.lora_rank,
-              "metrics_out": args.job_metrics_out or args.metrics_out + ".job", "overwrite": True}
+              "metrics_out": args.job_metrics_out or str(Path(args.metrics_out).resolve()) + ".job", "overwrite": True}
     fields = {k: v for k, v in fields.items() if v is not None}
     from glmkit.rl.loop import TrainConfig
 
@@ -494,9 +499,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-data", help="the dataset (jsonl; first rows checked)")
     p.add_argument("--gpu-memory-gib", type=float, help="per-GPU memory for the memory check (default: the inventory's)")
     p.add_argument("--max-tokens-per-gpu", type=_positive, default=8192)
-    p.add_argument("--decoder-first-pipeline-num-layers", type=_positive, help="the first stage's layers")
+    p.add_argument("--decoder-first-pipeline-num-layers", type=_positive,
+                   help="check this split (the recipe's launcher sets its own): the first stage's layers")
     p.add_argument("--decoder-last-pipeline-num-layers", type=_positive,
-                   help="the last stage's layers (default: the shape's, 12 for the PP-4 shapes)")
+                   help="check this split: the last stage's layers (default: the shape's, 12 for PP 4)")
     p.add_argument("--num-rollout", type=_positive)
     p.add_argument("--rollout-max-response-len", type=_positive)
     p.add_argument("--enable-r3", action="store_true")
@@ -529,7 +535,7 @@ def main(argv=None) -> int:
 
     try:
         return args.func(args)
-    except (CheckpointError, ValueError, FileNotFoundError, FileExistsError, ImportError) as err:
+    except (CheckpointError, ValueError, FileNotFoundError, FileExistsError, ImportError, ConnectionError) as err:
         print(f"glmkit {args.command}: error: {err}".splitlines()[0], file=sys.stderr)
         return 2
 

@@ -157,6 +157,16 @@ def test_backends_parse_and_errors():
     assert set(BACKENDS) == {"auto", "naive", "absorbed", "triton"}
 
 
+def test_dense_span_padding_uses_zero_rows_only():
+    """On CUDA dense spans are padded to a multiple of 8 keys: with zero rows, never the latents of
+    later tokens or of the next sequence (a NaN there would reach this block through 0 x NaN)."""
+    latent = torch.randn(20, 4)
+    latent[13:] = float("nan")
+    keys = absorbed._span_keys(latent, 5, 13, 16)
+    assert keys.shape == (16, 4) and torch.equal(keys[:8], latent[5:13]) and torch.equal(keys[8:], torch.zeros(8, 4))
+    assert absorbed._span_keys(latent, 0, 8, 8).data_ptr() == latent.data_ptr()  # aligned: no copy
+
+
 def test_triton_backend_names_its_package_when_missing(monkeypatch):
     import sys
 

@@ -124,6 +124,8 @@ def test_a_dead_rollout_actor_is_reported_by_name(head):
         alive, doomed = Sleeper.remote(), Sleeper.remote()
         ray.get([alive.load.remote({}), doomed.load.remote({})])
         ray.kill(doomed)
+        with pytest.raises(ray.exceptions.RayActorError):  # ray.kill is asynchronous: wait for the death
+            ray.get(doomed.load.remote({}), timeout=60)
         with pytest.raises(RuntimeError, match="rollout actor\\(s\\) died: glmkit-rollout-1"):
             RayRollout([alive, doomed], ["glmkit-rollout-0", "glmkit-rollout-1"]).generate([[1], [2]], None, 0)
     finally:
@@ -144,6 +146,10 @@ def test_ray_client_address_connects_the_driver(head):
     ("step 3: {'train/grad_norm': 0.42, 'train/pg_loss': -1.5e-3, 'rollout/step': 3}",
      {"train/grad_norm": 0.42, "train/pg_loss": -1.5e-3, "rollout/step": 3}),
     ("rollout/raw_reward=0.75 perf/step_time=12.5", {"rollout/raw_reward": 0.75, "perf/step_time": 12.5}),
+    ("(TrainerWorker pid=4242) " + jobs.METRICS_PREFIX + '{"train/step": 1, "train/step_skipped": true, '
+     '"train/pg_loss": null, "nonfinite": ["train/pg_loss"]}',
+     {"train/step": 1, "train/step_skipped": True, "train/pg_loss": None, "nonfinite": ["train/pg_loss"]}),
+    ("global_step: 7 loss_scale=1", None),
     ("loading weights ... 45 layers", None),
     (jobs.METRICS_PREFIX + "__import__('os').system('id')", None),
     ("train/ppo_kl: __import__('os')", None),

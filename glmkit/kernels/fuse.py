@@ -8,7 +8,8 @@ read of its inputs and one write of its outputs. The math stays in the concept m
 sets with `fusing(mode)` (`Backends.fuse`; every `DecoderBlock` call sets it):
 
     "off"   eager, always (the reference; also the mode outside any run)
-    "auto"  fused when the first tensor argument is on CUDA, eager elsewhere (the default of a run)
+    "auto"  fused when the first tensor argument is on CUDA and inductor can run there (triton
+            installed, dynamo supported), eager elsewhere (the default of a run)
     "on"    fused on any device (CPU inductor needs a C++ compiler; tests use it there)
 
 `fused_form` gives a fusable function a second, fusion-friendly spelling of the same math (e.g. a
@@ -57,7 +58,7 @@ def fusable(fn=None, *, fused_form=None):
     def call(*args, **kwargs):
         nonlocal compiled
         mode = _MODE.get()
-        if mode == "off" or (mode == "auto" and not _on_cuda(args)):
+        if mode == "off" or (mode == "auto" and not (_on_cuda(args) and _inductor_runs_on_cuda())):
             return fn(*args, **kwargs)
         if compiled is None:
             compiled = torch.compile(fused_form or fn, fullgraph=True)
@@ -65,6 +66,13 @@ def fusable(fn=None, *, fused_form=None):
 
     call.eager = fn
     return call
+
+
+@functools.cache
+def _inductor_runs_on_cuda() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None and torch._dynamo.is_dynamo_supported()
 
 
 def _on_cuda(args) -> bool:

@@ -22,6 +22,7 @@ import sys
 METRICS_PREFIX = "GLMKIT_METRICS "
 DONE_PREFIX = "GLMKIT_DONE "
 ROLLOUT_SHARE, TRAINER_SHARE = 0.2, 0.4   # of a bundle's GPU (or CPU), as the framework colocates
+ACTOR_SEED_STRIDE = 7_919_000_003
 
 
 def _config(fields: dict):
@@ -61,28 +62,31 @@ class RayRollout:
     def __init__(self, actors: list, names: list[str]):
         self.actors, self.names = actors, names
 
-    def _get(self, refs):
+    def _get(self, calls):
+        """calls: [(actor name, object ref)] -> their results; a dead actor is named."""
         import ray
 
         try:
-            return ray.get(refs)
+            return ray.get([ref for _, ref in calls])
         except ray.exceptions.RayActorError as err:
-            dead = [name for name, ref in zip(self.names, refs) if _failed(ref)]
+            dead = [name for name, ref in calls if _failed(ref)]
             raise RuntimeError(f"rollout actor(s) died: {', '.join(dead) or 'unknown'} ({type(err).__name__}: "
                                f"{str(err).splitlines()[0]})") from err
 
     def generate(self, prompt_ids, params, seed: int):
         n = len(self.actors)
         bounds = [round(i * len(prompt_ids) / n) for i in range(n + 1)]
-        refs = [actor.generate.remote(prompt_ids[a:b], params, seed + i)
-                for i, (actor, a, b) in enumerate(zip(self.actors, bounds, bounds[1:])) if b > a]
-        return [c for part in self._get(refs) for c in part]
+        # actor 0 samples with the rollout's own seed (one actor = the in-process run); the others
+        # with seeds far from any other rollout's (the trainer's seeds step by 1 per rollout)
+        calls = [(name, actor.generate.remote(prompt_ids[a:b], params, seed + i * ACTOR_SEED_STRIDE))
+                 for i, (name, actor, a, b) in enumerate(zip(self.names, self.actors, bounds, bounds[1:])) if b > a]
+        return [c for part in self._get(calls) for c in part]
 
     def load(self, tensors: dict):
         import ray
 
         ref = ray.put({name: t.detach().cpu() for name, t in tensors.items()})
-        self._get([actor.load.remote(ref) for actor in self.actors])
+        self._get([(name, actor.load.remote(ref)) for name, actor in zip(self.names, self.actors)])
 
 
 def _failed(ref) -> bool:

@@ -2,7 +2,7 @@
 
     head = LocalHead.start()            # ray start --head --block on 127.0.0.1, in its own session
     client = connect(head.dashboard)    # Jobs API (http://HOST:8265); ray://HOST:10001 for Ray Client
-    nodes = inventory(head.dashboard)   # [{node, ip, alive, gpus, gpu_free, gpu_type, cpus, memory_gib}]
+    nodes = inventory(head.dashboard)   # [{node, ip, alive, head, gpus, gpu_type, gpu_memory_gib, cpus, memory_gib}]
     head.stop()                         # stops what start() started, nothing else on the machine
 
 A fresh head often refuses the first connection for a few seconds (its dashboard and job agent
@@ -79,9 +79,9 @@ class LocalHead:
                 "--include-dashboard", "true"]
         if num_gpus is not None:
             argv += ["--num-gpus", str(num_gpus)]
-        log = open(Path(temp_dir) / "head.log", "w")
         env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
-        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        with open(Path(temp_dir) / "head.log", "w") as log:  # the child keeps its own copy of the handle
+            process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         head = cls(process, gcs, dash, client, temp_dir)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -99,6 +99,8 @@ class LocalHead:
         """Stop this head's process group only: SIGTERM (`ray start --block` shuts its services
         down), then SIGKILL for whatever of the group is left after `timeout` seconds."""
         group = self.process.pid
+        if self.process.poll() is not None and not _group_alive(group):
+            return  # stopped already: the pid may belong to someone else by now
         for sig in (signal.SIGTERM, signal.SIGKILL):
             try:
                 os.killpg(group, sig)
@@ -178,7 +180,7 @@ def connect(address: str, retries: int = 5, delay: float = 2.0):
 
 
 def inventory(dashboard: str) -> list[dict]:
-    """One dict per node: name, ip, alive, gpus (total), gpu_free, gpu_type (Ray's accelerator_type
+    """One dict per node: name, ip, alive, head, gpus (total), gpu_type (Ray's accelerator_type
     resource, None if not reported), cpus, memory_gib; sorted by ip. GPU memory is not a Ray resource:
     `gpu_memory_gib` is filled where the node advertises a `gpu_memory_gib:<n>` custom resource
     (glmkit's worker start-up sets it), else None."""

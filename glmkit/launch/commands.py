@@ -57,10 +57,12 @@ class Command:
         return "\n".join(lines)
 
     def entrypoint(self) -> str:
-        """One shell line for a Ray job's entrypoint, the command's own env in front of it."""
+        """One shell line for a Ray job's entrypoint, the command's own env in front of it. Ray runs
+        entrypoints with /bin/sh: a prelude in bash syntax (read -ra, arrays) goes through bash -c."""
         env = [f"{k}={shlex.quote(v)}" for k, v in self.env.items()]
         body = " ".join(env + ['"${MODEL_ARGS[@]}"' if a == '"${MODEL_ARGS[@]}"' else shlex.quote(a) for a in self.argv])
-        return " && ".join([f"cd {shlex.quote(self.cwd)}", *self.prelude, body])
+        line = " && ".join([f"cd {shlex.quote(self.cwd)}", *self.prelude, body])
+        return f"bash -c {shlex.quote(line)}" if self.prelude else line
 
 
 def torch_dist_dir(ckpt_dir: str, model: str) -> str:

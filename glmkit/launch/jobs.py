@@ -24,16 +24,17 @@ from glmkit.launch.builtin import DONE_PREFIX, METRICS_PREFIX
 from glmkit.launch.commands import runtime_env
 
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
-_PAIR = re.compile(r"""['"]?((?:train|rollout|perf)/[A-Za-z0-9_/.-]+|step)['"]?\s*[:=]\s*"""
+_PAIR = re.compile(r"""(?<![\w/])['"]?((?:train|rollout|perf)/[A-Za-z0-9_/.-]+|step)['"]?\s*[:=]\s*"""
                    r"""(-?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|nan|-?inf)\b""")
 
 
 def parse_metric_line(line: str) -> dict | None:
     """One metric row from one log line, or None."""
     line = line.strip()
-    if line.startswith(METRICS_PREFIX):
+    at = line.find(METRICS_PREFIX)  # Ray prefixes an actor's lines with "(ActorName pid=N) "
+    if at >= 0:
         try:
-            row = json.loads(line[len(METRICS_PREFIX):])
+            row = json.loads(line[at + len(METRICS_PREFIX):])
         except ValueError:
             return None
         return row if isinstance(row, dict) else None
@@ -116,10 +117,13 @@ def follow(client, job_id: str, metrics_out: str | Path | None = None, on_row=No
             on_log(new)
         lines = (partial + new).split("\n")
         partial = lines.pop()  # an unfinished last line waits for the rest
+        if status in TERMINAL and partial:  # nothing more will come: the last line is whole
+            lines.append(partial)
+            partial = ""
         for line in lines:
-            if line.startswith(DONE_PREFIX):
+            if DONE_PREFIX in line:
                 try:
-                    done = json.loads(line[len(DONE_PREFIX):])
+                    done = json.loads(line[line.find(DONE_PREFIX) + len(DONE_PREFIX):])
                 except ValueError:
                     pass
                 continue
@@ -136,10 +140,6 @@ def follow(client, job_id: str, metrics_out: str | Path | None = None, on_row=No
             if on_row is not None:
                 on_row(row)
         if status in TERMINAL:
-            if partial:
-                row = parse_metric_line(partial)
-                if row is not None:
-                    rows.append(row)
             info = client.get_job_info(job_id)
             tail = "\n".join(logs.rstrip("\n").split("\n")[-20:])
             return JobResult(job_id, status, rows, tail, info.message or "", done)

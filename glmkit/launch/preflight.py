@@ -99,14 +99,15 @@ def _stage_topk_check(config, split) -> Check:
 
 # ---- cluster ----------------------------------------------------------------------------------
 def cluster_check(shape: Shape, inventory) -> Check:
-    """inventory: a list of nodes as glmkit.launch.cluster.inventory returns them (dicts with
-    `gpus`, `gpu_free`)."""
-    fits = [n for n in inventory if n.get("gpus", 0) >= shape.gpus_per_node]
-    total = sum(n.get("gpus", 0) for n in inventory)
+    """inventory: nodes as glmkit.launch.cluster.inventory returns them (`alive`, `gpus`); dead
+    nodes (Ray keeps listing them) do not count."""
+    alive = [n for n in inventory if n.get("alive", True)]
+    fits = [n for n in alive if n.get("gpus", 0) >= shape.gpus_per_node]
+    total = sum(n.get("gpus", 0) for n in alive)
     ok = len(fits) >= shape.nodes
     return Check("the cluster has the GPUs", ok,
-                 f"{len(inventory)} node(s), {total} GPUs; {len(fits)} node(s) with >= {shape.gpus_per_node} GPUs, "
-                 f"{shape.nodes} needed")
+                 f"{len(alive)} live node(s) of {len(inventory)}, {total} GPUs; {len(fits)} node(s) with >= "
+                 f"{shape.gpus_per_node} GPUs, {shape.nodes} needed")
 
 
 # ---- memory -----------------------------------------------------------------------------------
@@ -186,7 +187,7 @@ def preflight(config, shape: Shape, inventory=None, gpu_mem_gib: float | None = 
     if inventory is not None:
         checks.append(cluster_check(shape, inventory))
         if gpu_mem_gib is None:
-            mems = [n["gpu_memory_gib"] for n in inventory if n.get("gpu_memory_gib")]
+            mems = [n["gpu_memory_gib"] for n in inventory if n.get("gpu_memory_gib") and n.get("alive", True)]
             gpu_mem_gib = min(mems) if mems else None
     split_check = next((c for c in checks if c.name == "pipeline split"), None)
     if gpu_mem_gib and split_check and split_check.ok:

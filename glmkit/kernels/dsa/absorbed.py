@@ -26,13 +26,21 @@ SCORE_BUDGET = 1 << 26
 GATHER_BUDGET = 1 << 27
 # A block goes dense while its causal span is at most this many times the selection width.
 DENSE_SPAN_FACTOR = 2
-# Key counts (selection width, dense span) are padded to a multiple of this with masked keys: GEMMs
-# over bf16 rows of odd length fall back to unaligned kernels several times slower.
+# On CUDA, key counts (selection width, dense span) are padded to a multiple of this with masked,
+# zero keys: GEMMs over bf16 rows of odd length fall back to unaligned kernels several times slower.
+# Elsewhere nothing is padded (the CPU keeps the reference's exact arithmetic).
 KEY_ALIGN = 8
 
 
-def _aligned(n: int) -> int:
-    return -(-n // KEY_ALIGN) * KEY_ALIGN
+def _aligned(n: int, align: int) -> int:
+    return -(-n // align) * align
+
+
+def _span_keys(latent: torch.Tensor, s0: int, r1: int, span: int) -> torch.Tensor:
+    """latent[s0:r1] padded with zero rows to `span`: never rows of later tokens or sequences, whose
+    values (a NaN, say) would reach this block through 0 x NaN."""
+    keys = latent[s0:r1]
+    return keys if span == r1 - s0 else F.pad(keys, (0, 0, 0, span - (r1 - s0)))
 
 
 def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -101,16 +109,16 @@ class SparseMQA(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_lat, latent, idx, bounds, scale):
         T, H, R = q_lat.shape
-        idx = F.pad(idx, (0, _aligned(idx.shape[1]) - idx.shape[1]), value=-1)
-        W = idx.shape[1]
-        padded = F.pad(latent, (0, 0, 0, KEY_ALIGN - 1))  # dense spans read up to KEY_ALIGN-1 rows past T
+        W = idx.shape[1]  # the block plan uses the unpadded width on every device
+        align = KEY_ALIGN if q_lat.is_cuda else 1
+        idx = F.pad(idx, (0, _aligned(W, align) - W), value=-1)
         out = torch.empty_like(q_lat)
         lse = torch.empty(T, H, dtype=_stats_dtype(q_lat), device=q_lat.device)
         for s0, r0, r1, dense in blocks(bounds, W, H, R):
             q = q_lat[r0:r1]
             if dense:
-                span = _aligned(r1 - s0)
-                keys = padded[s0:s0 + span]
+                span = _aligned(r1 - s0, align)
+                keys = _span_keys(latent, s0, r1, span)
                 keep = _span_mask(idx[r0:r1], s0, span)[:, None]
                 scores = _mm_f32(q.reshape(-1, R), keys.t()).view(r1 - r0, H, span)
                 probs, lse[r0:r1] = _forward_probs(scores, keep, scale, q.dtype)
@@ -134,26 +142,26 @@ class SparseMQA(torch.autograd.Function):
         q_lat, latent, idx, out, lse = ctx.saved_tensors
         bounds, scale = ctx.bounds, ctx.scale
         T, H, R = q_lat.shape
-        idx = F.pad(idx, (0, _aligned(idx.shape[1]) - idx.shape[1]), value=-1)
         W = idx.shape[1]
-        padded = F.pad(latent, (0, 0, 0, KEY_ALIGN - 1))
+        align = KEY_ALIGN if q_lat.is_cuda else 1
+        idx = F.pad(idx, (0, _aligned(W, align) - W), value=-1)
         grad_out = grad_out.contiguous()
         delta = (grad_out.float() * out.float()).sum(-1)  # [T, H]: rowsum(dO * O)
         grad_q = torch.empty_like(q_lat)
-        grad_latent = torch.zeros(padded.shape, dtype=_stats_dtype(latent), device=latent.device)
+        grad_latent = torch.zeros(latent.shape, dtype=_stats_dtype(latent), device=latent.device)
         for s0, r0, r1, dense in blocks(bounds, W, H, R):
             q, do, B = q_lat[r0:r1], grad_out[r0:r1], r1 - r0
             if dense:
-                span = _aligned(r1 - s0)
-                keys = padded[s0:s0 + span]
+                span = _aligned(r1 - s0, align)
+                keys = _span_keys(latent, s0, r1, span)
                 keep = _span_mask(idx[r0:r1], s0, span)[:, None]
                 scores = _mm_f32(q.reshape(-1, R), keys.t()).view(B, H, span)
                 dp = _mm_f32(do.reshape(-1, R), keys.t()).view(B, H, span)
                 probs, ds = _backward_scores(scores, dp, keep, lse[r0:r1], delta[r0:r1], scale, q.dtype)
                 probs, ds = probs.view(-1, span), ds.view(-1, span)
                 grad_q[r0:r1] = (ds @ keys).view(B, H, R)
-                grad_latent[s0:s0 + span] += _mm_f32(ds.t(), q.reshape(-1, R))
-                grad_latent[s0:s0 + span] += _mm_f32(probs.t(), do.reshape(-1, R))
+                grad_latent[s0:r1] += _mm_f32(ds.t(), q.reshape(-1, R))[:r1 - s0]  # padded keys get none
+                grad_latent[s0:r1] += _mm_f32(probs.t(), do.reshape(-1, R))[:r1 - s0]
             else:
                 sel = idx[r0:r1]
                 keys = latent[sel.clamp(min=0)]
@@ -164,7 +172,7 @@ class SparseMQA(torch.autograd.Function):
                 grad_keys = _mm_f32(ds.transpose(1, 2), q) + _mm_f32(probs.transpose(1, 2), do)
                 grad_keys = grad_keys.masked_fill_(~keep.transpose(1, 2), 0.0)
                 grad_latent.index_add_(0, sel.clamp(min=0).flatten(), grad_keys.flatten(0, 1))
-        return grad_q, grad_latent[:T].to(latent.dtype), None, None, None
+        return grad_q, grad_latent.to(latent.dtype), None, None, None
 
 
 def fold_weights(kv_b_weight: torch.Tensor, heads: int, dk: int):
