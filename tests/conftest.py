@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
 import torch
+
+# Without a GPU, Triton kernels can only run in Triton's CPU interpreter, and the switch is read when
+# triton (and each kernel) is first imported: set it before any test module can import triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from glmkit.config import DSA, KDA, variant_config
 from glmkit.reference import _block_fla_on_cpu

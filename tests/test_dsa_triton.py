@@ -26,14 +26,19 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 try:
-    import triton  # noqa: E402,F401
+    import triton  # noqa: E402
 except ImportError:
     _restore_interpret_switch()
     pytest.skip("triton is not installed (its interpreter runs these kernels on the CPU)", allow_module_level=True)
 
 from glmkit.kernels.dsa import absorbed, sparse_triton  # noqa: E402
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 _restore_interpret_switch()
+if not isinstance(triton.language.zeros, InterpretedFunction):  # a GPU session imported triton first
+    pytest.skip("triton was imported before its interpreter was switched on (a CUDA machine): these CPU "
+                "interpreter tests run where tests/conftest.py switches it on, i.e. without CUDA",
+                allow_module_level=True)
 
 
 @pytest.fixture(autouse=True)
