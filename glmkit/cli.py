@@ -253,7 +253,7 @@ def cmd_ckpt_info(args) -> int:
 def cmd_launch(args) -> int:
     """Plan (and with --address / --local-head, run) a launch; see glmkit.launch."""
     from glmkit.launch import jobs, plan
-    from glmkit.launch.cluster import LocalHead, connect, inventory
+    from glmkit.launch.cluster import connect, inventory
 
     if args.backend == "builtin":
         return _launch_builtin(args)

@@ -144,7 +144,7 @@ def stage_parameters(config, shape: Shape, split) -> list[dict]:
 def memory_check(config, shape: Shape, split, gpu_mem_gib: float, max_tokens_per_gpu: int = 8192) -> Check:
     tp, pp, ep, dp = shape.tp, shape.pp, shape.ep, max(1, shape.dp)
     expert_dp = max(1, shape.world // pp // ep)
-    worst, lines = None, []
+    worst = None
     for s in stage_parameters(config, shape, split):
         dense = (s["dense"] + s["embed"] + s["head"]) / tp
         expert = s["expert"] / ep
