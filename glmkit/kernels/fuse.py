@@ -29,6 +29,7 @@ import functools
 import torch
 
 from glmkit.kernels.backends import FUSE_MODES
+
 _MODE = contextvars.ContextVar("glmkit_fuse_mode", default="off")
 
 

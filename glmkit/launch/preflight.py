@@ -64,17 +64,23 @@ def layout_checks(config, shape: Shape, first: int | None = None, last: int | No
     experts = config.n_routed_experts
     checks.append(Check("routed experts divisible by EP", experts % ep == 0, f"{experts} experts / EP {ep}"
                         + (f" = {experts // ep} a rank" if experts % ep == 0 else " leaves a remainder")))
+    split, split_check = _pipeline(config, shape, first, last)
+    checks.append(split_check)
+    if split is not None:
+        checks.append(_stage_topk_check(config, split))
+    return checks
+
+
+def _pipeline(config, shape: Shape, first: int | None, last: int | None):
+    """-> (layers per stage or None, the "pipeline split" Check); `last` defaults to the shape's."""
     last = last if last is not None else shape.last_stage_layers
     try:
-        split = pipeline_split(config.num_hidden_layers, pp, first, last)
+        split = pipeline_split(config.num_hidden_layers, shape.pp, first, last)
     except ValueError as err:
-        checks.append(Check("pipeline split", False, str(err)))
-        return checks
+        return None, Check("pipeline split", False, str(err))
     flags = "".join(f" --decoder-{end}-pipeline-num-layers {n}" for end, n in (("first", first), ("last", last)) if n)
-    checks.append(Check("pipeline split", True, f"{config.num_hidden_layers} layers over PP {pp}: "
-                        f"{' / '.join(map(str, split))}{flags}"))
-    checks.append(_stage_topk_check(config, split))
-    return checks
+    return split, Check("pipeline split", True, f"{config.num_hidden_layers} layers over PP {shape.pp}: "
+                                                f"{' / '.join(map(str, split))}{flags}")
 
 
 def _stage_topk_check(config, split) -> Check:
@@ -189,10 +195,8 @@ def preflight(config, shape: Shape, inventory=None, gpu_mem_gib: float | None = 
         if gpu_mem_gib is None:
             mems = [n["gpu_memory_gib"] for n in inventory if n.get("gpu_memory_gib") and n.get("alive", True)]
             gpu_mem_gib = min(mems) if mems else None
-    split_check = next((c for c in checks if c.name == "pipeline split"), None)
-    if gpu_mem_gib and split_check and split_check.ok:
-        split = pipeline_split(config.num_hidden_layers, shape.pp, first,
-                               last if last is not None else shape.last_stage_layers)
+    split, _ = _pipeline(config, shape, first, last)
+    if gpu_mem_gib and split is not None:
         checks.append(memory_check(config, shape, split, gpu_mem_gib, max_tokens_per_gpu))
     elif not gpu_mem_gib:
         checks.append(Check("memory per GPU", False, "GPU memory unknown: give gpu_mem_gib or a cluster inventory"))
