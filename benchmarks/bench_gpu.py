@@ -1,6 +1,6 @@
 """GLM-5.3-Flash-4layer at full width on one GPU: glmkit against the transformers reference, same run.
 
-    python benchmarks/bench_gpu.py [--rows kernels,train,forward,prefill] [--reference-rows NAMES]
+    python benchmarks/bench_gpu.py [--rows kernels,train,forward,prefill,logprob-diff] [--reference-rows NAMES]
                                    [--backends kda=fla,dsa=auto,moe=auto] [--out FILE.json]
 
 Weights: seeded random (glmkit's synth rules) made on the GPU in bf16, no disk; the reference gets
@@ -11,13 +11,18 @@ out of memory is reported as OOM; glmkit's training rows retry with per-block re
 plain run does not fit (`recompute` in the row).
 
 Rows
-Rows run in the order forward, prefill, train (kernels first when asked).
+Rows run in the order forward, prefill, logprob-diff, train (kernels first when asked).
 
 - train  forward + backward of the summed next-token log-prob (the LM head included) over one
          sequence of T, and over 8 packed sequences of T/8 (the reference: a batch of 8), T in
          4096, 8192, 16384, 32768; every parameter receives its gradient.
 - forward  one sequence, no autograd, T in 8192, 32768, 131072.
 - prefill  B prompts of 512 tokens into the rollout caches (the reference: use_cache=True), B in 8, 64.
+- logprob-diff  the bf16 train-vs-rollout log-prob abs diff the recipe's health check reads: 8
+         prompts of 512 random tokens, 512 tokens sampled at temperature 1 by the rollout engine
+         (routing and DSA selections recorded), then the train path over the same sequences with
+         routing replay (R3) and with both replays; mean |train - rollout| over the response tokens
+         (the recipe's healthy bf16 range: 0.0068 - 0.0106). glmkit only.
 - kernels  sparse MLA alone at T = 4096 (selection width 2063, 64 heads, latent 512) forward and
          forward+backward, in TFLOP/s counted over the selected keys:
              forward  4 * H * R * S   (scores 2R, probabilities x latents 2R per selected key and head)
@@ -179,6 +184,31 @@ def reference_prefill(ref, ids):
     return step
 
 
+def logprob_diff_row(model, backends, prompts=8, prompt_len=512, new_tokens=512) -> dict:
+    from glmkit.model import RolloutEngine, TrainPath
+    from glmkit.model.rollout import SamplingParams
+    from glmkit.rl.loop import pack_completions
+
+    ids = token_batch(model.config.vocab_size, prompts, prompt_len, seed=1)
+    start = time.perf_counter()
+    completions = RolloutEngine(model, backends).generate(
+        ids.tolist(), SamplingParams(temperature=1.0, max_new_tokens=new_tokens), seed=0, record_routing=True,
+        record_topk=True)
+    sync()
+    generate_s = time.perf_counter() - start
+    input_ids, packed, mask, rollout_logp, routing, topk = pack_completions(completions, model.device)
+    row = {"row": "logprob-diff", "prompts": prompts, "prompt_len": prompt_len, "new_tokens": new_tokens,
+           "generate_s": generate_s, "response_tokens": int(mask.sum())}
+    path = TrainPath(model, backends)
+    with torch.no_grad():
+        for label, replay in (("r3", dict(routing=routing)), ("r3+topk", dict(routing=routing, topk_replay=topk)),
+                              ("none", {})):
+            train = path.forward(input_ids=input_ids, packed=packed, **replay).logprobs.float().cpu()
+            diff = (train - rollout_logp).abs()[mask]
+            row[label] = {"mean": diff.mean().item(), "max": diff.max().item()}
+    return row
+
+
 def kernel_rows(config, repeat):
     """Sparse MLA core at T = 4096 with a realistic selection; KDA entry vs fla's own."""
     from glmkit.kernels.dsa import absorbed
@@ -247,7 +277,7 @@ def fmt(m):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", default="kernels,train,forward,prefill")
+    parser.add_argument("--rows", default="kernels,train,forward,prefill,logprob-diff")
     parser.add_argument("--reference-rows", default="train-4096x1,train-4096x8,train-8192x1,forward-8192,"
                         "forward-32768,prefill-8x512,prefill-64x512",
                         help="rows the reference also runs ('all' or 'none')")
@@ -340,6 +370,13 @@ def main(argv=None):
             ids = token_batch(V, B, 512)
             row(f"prefill-{B}x512", B * 512, lambda: measure(glmkit_prefill(model, backends, ids), args.repeat),
                 lambda: measure(reference_prefill(ref, ids), args.repeat))
+    if "logprob-diff" in wanted:
+        entry = logprob_diff_row(model, backends)
+        results["rows"].append(entry)
+        save()
+        print(f"logprob-diff           {entry['response_tokens']} response tokens (generate {entry['generate_s']:.1f} s): "
+              + ", ".join(f"{k} mean {entry[k]['mean']:.4f} max {entry[k]['max']:.3f}" for k in ("r3", "r3+topk", "none")),
+              flush=True)
     if "train" in wanted:
         for T in map(int, args.train_t.split(",")):
             for n in (1, 8):

@@ -1,6 +1,9 @@
 """Where the time goes: GLM-5.3-Flash-4layer at full width on one GPU, glmkit's forward and train step.
 
-    python benchmarks/profile_gpu.py [--forward-t 8192] [--train-t 4096] [--top 25] [--out DIR]
+    python benchmarks/profile_gpu.py [--forward-t 8192] [--train-t 4096] [--prefill-b 64] [--top 25]
+                                     [--out DIR]
+
+(0 skips a row; prefill is B prompts of 512 tokens into the rollout caches.)
 
 For each row, after one warm-up call (compiles and autotune stay out): the wall time of one call,
 the forward's split by module (CUDA events around every block's attention, indexer, MLP and the
@@ -22,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from benchmarks.bench_gpu import build_glmkit, glmkit_forward, glmkit_train, token_batch  # noqa: E402
+from benchmarks.bench_gpu import (build_glmkit, glmkit_forward, glmkit_prefill, glmkit_train,  # noqa: E402
+                                  token_batch)
 
 
 class ModuleTimer:
@@ -112,6 +116,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--forward-t", type=int, default=8192)
     parser.add_argument("--train-t", type=int, default=4096)
+    parser.add_argument("--prefill-b", type=int, default=0)
     parser.add_argument("--backends", default="kda=fla,dsa=auto,moe=auto")
     parser.add_argument("--recompute", action="store_true")
     parser.add_argument("--top", type=int, default=25)
@@ -123,12 +128,15 @@ def main(argv=None):
     config = variant_config("GLM-5.3-Flash-4layer")
     model = build_glmkit(config, 0, torch.bfloat16)
     report = {}
-    for row, t in (("forward", args.forward_t), ("train", args.train_t)):
+    rows = (("forward", args.forward_t, 1), ("prefill", 512 * args.prefill_b, args.prefill_b),
+            ("train", args.train_t, 1))
+    for row, t, n in rows:
         if not t:
             continue
-        ids = token_batch(config.vocab_size, 1, t)
-        fn = glmkit_forward(model, args.backends, ids) if row == "forward" else \
-            glmkit_train(model, args.backends, ids, args.recompute)
+        ids = token_batch(config.vocab_size, n, t // n)
+        fn = {"forward": lambda: glmkit_forward(model, args.backends, ids),
+              "prefill": lambda: glmkit_prefill(model, args.backends, ids),
+              "train": lambda: glmkit_train(model, args.backends, ids, args.recompute)}[row]()
         start = time.perf_counter()
         fn()
         torch.cuda.synchronize()
@@ -137,7 +145,7 @@ def main(argv=None):
         wall = timed(fn)
         peak = torch.cuda.max_memory_allocated() / 2 ** 30
         timer = ModuleTimer(model)
-        with torch.no_grad() if row == "forward" else torch.enable_grad():
+        with torch.no_grad() if row != "train" else torch.enable_grad():
             fn()
         modules = split_by_module(timer.totals())
         timer.remove()

@@ -75,6 +75,17 @@ def main(argv=None):
 
     packed, prompt = Packed.from_lengths([T], device=device), Packed.from_lengths([P], device=device)
     n_layers = min(args.layers or config.num_hidden_layers, config.num_hidden_layers)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save(rows, total, complete):
+        """After every layer, so a run cut short still leaves the layers it finished (complete: false)."""
+        tmp = out.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps({"seq_len": T, "decode": args.decode, "backends": str(backends),
+                                   "checkpoint": args.checkpoint, "total_s": total, "complete": complete,
+                                   "layers": rows}, indent=1))
+        os.replace(tmp, out)
+
     rows, topk_train, topk_prefill = [], None, None
     start = time.perf_counter()
     for i in range(n_layers):
@@ -134,6 +145,7 @@ def main(argv=None):
               f"(decode {row['rel_rms_decode']:.2e})"
               + (f" experts same {row['experts_same']:.1%}" if "experts_same" in row else "")
               + f"  load {t_load:.1f} s train {t_train:.2f} s rollout {t_rollout:.2f} s", flush=True)
+        save(rows, time.perf_counter() - start, complete=False)
         streams = train  # teacher forcing by the train path
         del block, states, train, rollout, outs
         if device == "cuda":
@@ -141,13 +153,7 @@ def main(argv=None):
     total = time.perf_counter() - start
     peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
     print(f"{n_layers} layers in {total:.1f} s (peak {peak:.1f} GiB)")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps({"seq_len": T, "decode": args.decode, "backends": str(backends),
-                               "checkpoint": args.checkpoint, "total_s": total, "layers": rows}, indent=1))
-    os.replace(tmp, out)
-
+    save(rows, total, complete=True)
 
 if __name__ == "__main__":
     main()

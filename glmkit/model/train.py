@@ -11,15 +11,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from glmkit.kernels.backends import Backends
 from glmkit.kernels.fuse import fusable, fusing
 from glmkit.model.block import Run
+from glmkit.model.head import LogprobHead
 from glmkit.model.model import Glm5Model
 from glmkit.model.packed import Packed, pack
 
-# Rows of the LM head computed at once: bounds the [rows, vocab] fp32 logits held for log-probs.
+# Rows of the LM head computed at once: bounds the [rows, vocab] logits alive at a time. A forward
+# of at most this many rows keeps its bf16 logits for the backward (one GEMM fewer, ~1.3 GB at
+# vocab 154880); longer ones recompute each chunk's logits there.
 _LOGIT_ROWS = 4096
 
 
@@ -67,11 +69,10 @@ class TrainPath:
         self.backends.kda_ops(), self.backends.dsa_ops()  # an unavailable backend fails here, named
         self.recompute = recompute
 
-    def _head(self, rows, targets, temperature, want_entropy):
-        logits = self.model.lm_head(rows)
-        with fusing(self.backends.fuse):  # also in the backward's recompute, which runs outside forward()
-            entropy = token_entropy(logits, temperature) if want_entropy else None
-            return token_logprobs(logits, targets, temperature), entropy
+    def _head(self, rows, targets, temperature, want_entropy, keep_logits):
+        with fusing(self.backends.fuse):
+            return LogprobHead.apply(rows, self.model.lm_head.weight, targets, temperature, want_entropy,
+                                     keep_logits)
 
     def forward(self, sequences=None, *, input_ids=None, packed=None, targets=None, temperature=1.0,
                 return_logits=False, return_entropy=False, routing=None, topk_replay=None, record=None,
@@ -110,11 +111,8 @@ class TrainPath:
                 if return_entropy:
                     entropy.append(token_entropy(chunk, temperature))
                 continue
-            # under autograd the [rows, vocab] logits and their fp32 log-softmax would stay alive for
-            # the backward (~4 GB per 4096 rows at vocab 154880); recomputing them there keeps one chunk
-            head = self._head if not torch.is_grad_enabled() else \
-                lambda *a: checkpoint(self._head, *a, use_reentrant=False)
-            lp, ent = head(rows, chunk_targets, temperature, return_entropy)
+            keep = torch.is_grad_enabled() and hidden.shape[0] <= _LOGIT_ROWS
+            lp, ent = self._head(rows, chunk_targets, temperature, return_entropy, keep)
             logprobs.append(lp)
             if return_entropy:
                 entropy.append(ent)

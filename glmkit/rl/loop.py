@@ -365,33 +365,7 @@ class GRPOTrainer:
         return expanded, completions, torch.tensor(rewards, dtype=torch.float32)
 
     def _pack(self, completions):
-        """Packed sequences, per-token sample ids, response mask (rows whose target is a response token),
-        rollout log-probs on those rows, the rollout's routing per MoE layer and its DSA selections per
-        DSA layer (sequence-local; -1 rows on each sequence's last token, which was never fed)."""
-        from glmkit.model.packed import pack
-
-        seqs = [c.prompt + c.tokens for c in completions]
-        input_ids, packed = pack(seqs, device=self.policy.device)
-        T = packed.num_tokens
-        mask = torch.zeros(T, dtype=torch.bool)
-        rollout_logp = torch.zeros(T)
-        for c, (s, e) in zip(completions, packed.bounds()):
-            rows = slice(s + len(c.prompt) - 1, e - 1)
-            mask[rows] = True
-            rollout_logp[rows] = torch.tensor(c.logprobs)
-        routing = {}
-        for layer in completions[0].routing:
-            k = completions[0].routing[layer].shape[1]
-            rows = [torch.cat([c.routing[layer], torch.full((1, k), -1, dtype=torch.long)]) for c in completions]
-            routing[layer] = torch.cat(rows).to(self.policy.device)
-        topk = {}
-        for layer in completions[0].topk or {}:
-            width = max(c.topk[layer].shape[1] for c in completions)
-            rows = [torch.nn.functional.pad(torch.cat([c.topk[layer], torch.full((1, c.topk[layer].shape[1]), -1,
-                                                                                  dtype=torch.int32)]),
-                                            (0, width - c.topk[layer].shape[1]), value=-1) for c in completions]
-            topk[layer] = torch.cat(rows).long()
-        return input_ids, packed, mask, rollout_logp, routing, topk
+        return pack_completions(completions, self.policy.device)
 
     def step(self, step: int) -> list[dict]:
         """One rollout and its optimizer steps -> the metric rows, as the recipe's framework logs them:
@@ -581,3 +555,33 @@ def train_rows(history: list[dict]) -> list[dict]:
 def read_metrics(path) -> list[dict]:
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def pack_completions(completions, device):
+    """Packed sequences, per-token sample ids, response mask (rows whose target is a response token),
+    rollout log-probs on those rows, the rollout's routing per MoE layer and its DSA selections per
+    DSA layer (sequence-local; -1 rows on each sequence's last token, which was never fed)."""
+    from glmkit.model.packed import pack
+
+    seqs = [c.prompt + c.tokens for c in completions]
+    input_ids, packed = pack(seqs, device=device)
+    T = packed.num_tokens
+    mask = torch.zeros(T, dtype=torch.bool)
+    rollout_logp = torch.zeros(T)
+    for c, (s, e) in zip(completions, packed.bounds()):
+        rows = slice(s + len(c.prompt) - 1, e - 1)
+        mask[rows] = True
+        rollout_logp[rows] = torch.tensor(c.logprobs)
+    routing = {}
+    for layer in completions[0].routing:
+        k = completions[0].routing[layer].shape[1]
+        rows = [torch.cat([c.routing[layer], torch.full((1, k), -1, dtype=torch.long)]) for c in completions]
+        routing[layer] = torch.cat(rows).to(device)
+    topk = {}
+    for layer in completions[0].topk or {}:
+        width = max(c.topk[layer].shape[1] for c in completions)
+        rows = [torch.nn.functional.pad(torch.cat([c.topk[layer], torch.full((1, c.topk[layer].shape[1]), -1,
+                                                                              dtype=torch.int32)]),
+                                        (0, width - c.topk[layer].shape[1]), value=-1) for c in completions]
+        topk[layer] = torch.cat(rows).long()
+    return input_ids, packed, mask, rollout_logp, routing, topk
