@@ -320,7 +320,7 @@ def main(argv=None):
         g, r = row.get("glmkit"), row.get("reference")
         ratio = row.get("ratio")
         print(f"{row['row']:22s} glmkit {fmt(g):45s} reference {fmt(r):45s}"
-              + (f" ratio {ratio:5.2f}x" if ratio else "") + (" [recompute]" if row.get("recompute") else ""),
+              + (f" ratio {ratio:5.2f}x" if ratio else "") + (" [recompute]" if (g or {}).get("recompute") else ""),
               flush=True)
 
     if "kernels" in wanted:
@@ -388,6 +388,7 @@ def main(argv=None):
                     if m["status"] == "OOM":
                         state["recompute"] = True
                         m = measure(glmkit_train(model, backends, ids, True), args.repeat)
+                        m["recompute"] = True
                     return m
 
                 row(f"train-{T}x{n}", T, ours, lambda: measure(reference_train(ref, ids), args.repeat))
