@@ -171,7 +171,13 @@ def cmd_train(args) -> int:
     from glmkit.rl.health import run_verdict
     from glmkit.rl.loop import NonFiniteRun, rollout_rows
 
-    trainer = GRPOTrainer(_train_config(args))
+    rollout = None
+    if args.rollout_url:
+        from glmkit.serve.client import SGLangRollout
+
+        rollout = SGLangRollout(args.rollout_url, mode=args.weight_update, update_dir=args.weight_update_dir)
+        rollout.client.health()  # an unreachable server fails here, before the model loads
+    trainer = GRPOTrainer(_train_config(args), rollout=rollout)
     cfg = trainer.cfg
     for note in trainer.notes:
         print(note)
@@ -337,6 +343,21 @@ def _launch_builtin(args) -> int:
     return 0 if result.ok else 1
 
 
+def cmd_serve(args) -> int:
+    from glmkit.serve.server import serve
+
+    if args.max_batch_size < 1:
+        raise ValueError(f"--max-batch-size must be >= 1, got {args.max_batch_size}")
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in 0..65535, got {args.port}")
+    for root in args.allow_updates_from:
+        if not Path(root).is_dir():
+            raise FileNotFoundError(f"--allow-updates-from {root}: not a directory")
+    serve(args.checkpoint, args.host, args.port, args.device, args.dtype, _backends(args), args.tokenizer,
+          args.max_batch_size, args.allow_updates_from, on_ready=lambda line: print(line, flush=True))
+    return 0
+
+
 def cmd_variants(args) -> int:
     from glmkit.config import VARIANTS, describe, variant_config
 
@@ -375,7 +396,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", required=True, help="HF checkpoint directory")
     p.add_argument("--checkpoint-b", help="load the second path from this checkpoint instead")
     p.add_argument("--paths", default="reference,train",
-                   help="two of reference, train, rollout, or a capture directory, comma-separated")
+                   help="two of reference, train, rollout, sglang:http://HOST:PORT (a server speaking SGLang's "
+                        "native API, teacher-forced) or a capture directory, comma-separated")
     run_arguments(p)
     p.add_argument("--replay-topk", default="auto", choices=["auto", "on", "off"],
                    help="path B uses path A's DSA selections (auto: when A is the reference or a capture and "
@@ -446,6 +468,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="stop after this many optimizer steps in a row with a NaN / Inf loss or grad norm")
         p.add_argument("--fail-unhealthy", action="store_true",
                        help="exit 1 when the run verdict is fail (reasons printed)")
+        p.add_argument("--rollout-url", metavar="URL",
+                       help="generate on a server speaking SGLang's native API (an SGLang server or glmkit serve) "
+                            "instead of in this process; weights are pushed to it after every optimizer step")
+        p.add_argument("--weight-update", default="tensor", choices=["tensor", "disk"],
+                       help="with --rollout-url: push weights in the request (tensor) or as a directory (disk)")
+        p.add_argument("--weight-update-dir", metavar="DIR",
+                       help="with --weight-update disk: where the update directory is written (the server "
+                            "must allow it with --allow-updates-from)")
 
     p = sub.add_parser("train", help="GRPO on the tiny variant or the 4-layer slice, metrics as JSONL")
     train_arguments(p)
@@ -517,6 +547,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--job-metrics-out", help="builtin: where the trainer actor writes its own metrics file")
     p.set_defaults(func=cmd_launch)
+
+    p = sub.add_parser("serve", help="the rollout engine behind SGLang's native HTTP API (/generate, /health, ...)")
+    p.add_argument("--checkpoint", required=True, help="HF checkpoint directory")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
+    p.add_argument("--port", type=int, default=30000, help="0 picks a free port (printed)")
+    p.add_argument("--device", default="cpu", choices=DEVICES)
+    p.add_argument("--dtype", choices=list(DTYPES), help="default: the checkpoint's")
+    p.add_argument("--tokenizer", help="tokenizer directory for text inputs (default: the checkpoint's own files)")
+    p.add_argument("--max-batch-size", type=int, default=64, help="most inputs batched into one engine call")
+    p.add_argument("--allow-updates-from", action="append", default=[], metavar="DIR",
+                   help="/update_weights_from_disk may read directories under DIR (repeatable; default: none)")
+    _backend_arguments(p)
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("variants", help="list the model variants")
     p.set_defaults(func=cmd_variants)

@@ -104,10 +104,11 @@ class RolloutEngine:
 
     @torch.no_grad()
     def generate(self, prompts, params: SamplingParams, seed: int = 0, record_routing: bool = False,
-                 record_topk: bool = False) -> list[Completion]:
+                 record_topk: bool = False, cancelled=None) -> list[Completion]:
         """Sample a completion for every prompt (batched, different lengths). With record_routing,
         each completion carries the experts its tokens were routed to (for routing replay); with
-        record_topk, the DSA positions they selected (for top-k replay)."""
+        record_topk, the DSA positions they selected (for top-k replay). `cancelled(i)`, asked after
+        every sampled token, ends request i there (finish_reason "abort")."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("generate needs at least one prompt and every prompt needs at least one token")
         generator = torch.Generator(device=self.model.device).manual_seed(seed)
@@ -140,6 +141,10 @@ class RolloutEngine:
             for i in finished.nonzero().flatten().tolist():
                 done[i].finish_reason = "stop"
             active &= ~finished
+            for i in (live if cancelled is not None else ()):
+                if bool(active[i]) and cancelled(i):
+                    done[i].finish_reason = "abort"
+                    active[i] = False
             if not active.any() or step == params.max_new_tokens - 1:
                 break
             feeding = active.nonzero().flatten().tolist()

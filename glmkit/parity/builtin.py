@@ -12,6 +12,7 @@ from glmkit.parity.compare import ParityResult, compare
 from glmkit.parity.dump import Capture, load_capture
 
 LIVE_PATHS = ("reference", "train", "rollout")
+SGLANG_PREFIX = "sglang:"  # sglang:http://HOST:PORT, a server speaking SGLang's native API
 
 
 def make_inputs(vocab_size: int, batch: int, seq_len: int, seed: int = 0):
@@ -47,9 +48,17 @@ def capture_path(path: str, checkpoint, sequences, prompt_lengths, dtype=torch.f
     if path == "rollout":
         return capture_rollout(load_model(checkpoint, dtype, device), sequences, prompt_lengths, backends,
                                topk_replay=topk_replay, **meta)
+    if path.startswith(SGLANG_PREFIX):
+        from glmkit.checkpoint import open_checkpoint
+        from glmkit.parity.capture import capture_sglang
+
+        if topk_replay:
+            raise ValueError(f"{path}: a server cannot replay DSA selections; use --replay-topk off")
+        return capture_sglang(path[len(SGLANG_PREFIX):], sequences, open_checkpoint(checkpoint).config, **meta)
     if Path(path).is_dir():
         return load_capture(path)
-    raise ValueError(f"unknown path {path!r}; allowed: {', '.join(LIVE_PATHS)} or a capture directory")
+    raise ValueError(f"unknown path {path!r}; allowed: {', '.join(LIVE_PATHS)}, sglang:http://HOST:PORT or a "
+                     f"capture directory")
 
 
 def selections_of(capture: Capture) -> dict:
@@ -74,7 +83,8 @@ def parity(checkpoint, paths=("reference", "train"), checkpoint_b=None, seq_len:
     from glmkit.checkpoint import open_checkpoint
 
     a, b = paths
-    dumps = [load_capture(p) for p in paths if p not in LIVE_PATHS and Path(p).is_dir()]
+    dumps = [load_capture(p) for p in paths if p not in LIVE_PATHS and not p.startswith(SGLANG_PREFIX)
+             and Path(p).is_dir()]
     if dumps:
         c = dumps[0]
         sequences = [c.input_ids[s:e].tolist() for s, e in zip(c.cu_seqlens[:-1].tolist(), c.cu_seqlens[1:].tolist())]

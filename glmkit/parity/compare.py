@@ -217,8 +217,11 @@ def compare(a: Capture, b: Capture, dtype: str = "float32", thresholds: dict | N
     kpools = {c.manifest.get("index_kpool") for c in (a, b)} - {None}
     kpool = next(iter(kpools)) if len(kpools) == 1 else None
     warnings = []
+    # a path that reports no hidden states (a server: log-probs, experts, selections) is judged on its
+    # log-probs; elsewhere they are the diff metric only, the hidden sites before them carry the verdict
+    judge_logprobs = not [k for k in common if k[1] not in (*INDEX_SITES, *AUX_SITES, "logprobs")]
     for layer, site in common:
-        if site == "logprobs" or site in AUX_SITES:
+        if (site == "logprobs" and not judge_logprobs) or site in AUX_SITES:
             continue
         ta, tb = a.tensors[(layer, site)], b.tensors[(layer, site)]
         if site in INDEX_SITES:

@@ -299,6 +299,8 @@ class GRPOTrainer:
         # copied: the frozen base is shared, as SGLang keeps its base in place and loads adapters.
         self.rollout_side = rollout if rollout is not None else \
             LocalRollout(self._copy_trainable(self.policy), cfg.backends)
+        if hasattr(self.rollout_side, "bind"):  # a remote rollout that merges LoRA adapters needs the policy
+            self.rollout_side.bind(self.policy)
         self.train_path = TrainPath(self.policy, cfg.backends)
         self.reference = self._copy_trainable(self.policy).eval() if cfg.kl_loss_coef else None
         self.trainable = [p for p in self.policy.parameters() if p.requires_grad]

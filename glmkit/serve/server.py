@@ -1,0 +1,447 @@
+"""`glmkit serve`: glmkit's rollout engine behind SGLang's native HTTP API (FastAPI + uvicorn).
+
+Concurrent requests are batched: a request waits up to `batch_window_s` for others, then every
+waiting request with the same sampling parameters runs as one `RolloutEngine.generate` call (the
+engine's batch is fixed for the call; continuous batching arrives with the rollout-engine work).
+One worker thread owns the model: generation and weight updates never overlap.
+
+Weight updates: `/update_weights_from_tensor` takes safetensors blobs (never pickle);
+`/update_weights_from_disk` reads only directories under the roots given with
+`--allow-updates-from` (a full checkpoint directory, or safetensors files of named tensors).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import itertools
+import socket
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from glmkit.serve import protocol
+from glmkit.serve.protocol import GenerateRequest
+
+DEFAULT_MAX_BATCH = 64
+
+
+class BadRequest(ValueError):
+    """A request the server refuses (400), with the reason."""
+
+
+@dataclass
+class Pending:
+    prompt: list
+    params: protocol.SamplingParamsIn
+    rid: str
+    want_logprob: bool
+    logprob_start_len: int
+    want_routing: bool
+    want_topk: bool
+    future: asyncio.Future = None
+    answer: dict = field(default_factory=dict)
+
+    def key(self):
+        p = self.params
+        return (p.temperature, p.top_p, p.max_new_tokens, tuple(p.stop_token_ids), p.sampling_seed)
+
+
+class EngineService:
+    """The model, its engine and tokenizer, the weight version; every method runs on the worker."""
+
+    def __init__(self, model, backends=None, tokenizer=None, model_path: str = "", tokenizer_path: str = "",
+                 max_batch: int = DEFAULT_MAX_BATCH, update_roots=()):
+        from glmkit.model import RolloutEngine
+
+        self.model, self.engine = model, RolloutEngine(model, backends)
+        self.tokenizer, self.model_path, self.tokenizer_path = tokenizer, model_path, tokenizer_path
+        self.max_batch = max_batch
+        self.update_roots = [Path(r).resolve() for r in update_roots]
+        self.weight_version = "default"
+        self.updates = 0
+        self.batches_run = self.requests_run = 0
+        self.seeds = itertools.count(1)
+        config = model.config
+        self.moe_layers = [b.layer for b in model.layers if b.is_moe]
+        self.dsa_layers = [b.layer for b in model.layers if b.kind == "dsa"]
+        self.vocab_size = config.vocab_size
+
+    # ---- requests ------------------------------------------------------------------------------
+    def encode(self, request: GenerateRequest) -> list[list[int]]:
+        if request.text is not None:
+            if self.tokenizer is None:
+                raise BadRequest("this server has no tokenizer (start it with --tokenizer DIR); send input_ids")
+            texts = request.text if isinstance(request.text, list) else [request.text]
+            prompts = [self.tokenizer.encode(t) for t in texts]
+        else:
+            prompts = request.input_ids if request.batched else [request.input_ids]
+        if not prompts:
+            raise BadRequest("the batch is empty")
+        if len(prompts) > self.max_batch:
+            raise BadRequest(f"batch of {len(prompts)} inputs is larger than this server's --max-batch-size "
+                             f"{self.max_batch}")
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise BadRequest(f"input {i} is empty")
+            bad = [t for t in p if t >= self.vocab_size]
+            if bad:
+                raise BadRequest(f"input {i} has token id {bad[0]} outside the vocabulary (size {self.vocab_size})")
+        return [list(map(int, p)) for p in prompts]
+
+    def run_group(self, items: list[Pending], cancelled) -> None:
+        """One engine call for requests with equal sampling parameters; fills each item's answer."""
+        from glmkit.model.rollout import Completion, SamplingParams
+
+        p = items[0].params
+        prompts = [it.prompt for it in items]
+        self.batches_run += 1
+        self.requests_run += len(items)
+        want_routing = any(it.want_routing for it in items)
+        want_topk = any(it.want_topk for it in items)
+        if p.max_new_tokens == 0:
+            completions = [Completion(prompt=list(pr), finish_reason="length") for pr in prompts]
+        else:
+            params = SamplingParams(temperature=p.temperature, top_p=p.top_p, max_new_tokens=p.max_new_tokens,
+                                    stop_token_ids=tuple(p.stop_token_ids))
+            seed = p.sampling_seed if p.sampling_seed is not None else next(self.seeds)
+            completions = self.engine.generate(prompts, params, seed=seed, record_routing=want_routing,
+                                               record_topk=want_topk, cancelled=lambda i: cancelled(items[i].rid))
+        teacher = [i for i, it in enumerate(items) if (it.want_logprob and it.logprob_start_len >= 0)
+                   or (p.max_new_tokens == 0 and (it.want_routing or it.want_topk))]
+        prompt_pass = self.prompt_pass([prompts[i] for i in teacher], p.temperature, want_routing, want_topk) \
+            if teacher else []
+        passes = dict(zip(teacher, prompt_pass))
+        for i, (it, c) in enumerate(zip(items, completions)):
+            it.answer = self.answer(it, c, passes.get(i))
+
+    @torch.no_grad()
+    def prompt_pass(self, prompts, temperature, want_routing, want_topk) -> list[dict]:
+        """Teacher-forced pass over whole prompts: log-prob of each token given the ones before it
+        (None for the first), and the experts / DSA positions each token chose."""
+        from glmkit.model.packed import Packed
+
+        lengths = [len(p) for p in prompts]
+        packed = Packed.from_lengths(lengths, device="cpu")
+        seen = {}
+
+        def record(layer, site, value):
+            if (site == "router_experts" and want_routing) or (site == "indexer_topk" and want_topk):
+                seen[(layer, site)] = value.cpu()
+
+        _, logits = self.engine.prefill(prompts, max(lengths), all_logits=True, record=record)
+        logp = torch.log_softmax(logits.float().cpu() / (temperature or 1.0), -1)
+        out = []
+        for n, (s, e) in enumerate(zip(packed.cu_seqlens[:-1].tolist(), packed.cu_seqlens[1:].tolist())):
+            ids = torch.tensor(prompts[n])
+            picked = logp[s:e - 1].gather(-1, ids[1:, None])[:, 0].tolist()
+            routing = {layer: v[s:e] for (layer, site), v in seen.items() if site == "router_experts"}
+            topk = {layer: torch.where(v[s:e] >= 0, v[s:e] - s, v[s:e]) for (layer, site), v in seen.items()
+                    if site == "indexer_topk"}
+            out.append({"input_logprobs": [None, *picked], "routing": routing, "topk": topk})
+        return out
+
+    def answer(self, it: Pending, c, teacher: dict | None) -> dict:
+        tokens = list(c.tokens)
+        if c.finish_reason == "stop":
+            reason = protocol.finish_reason("stop", matched=tokens[-1])
+        elif c.finish_reason == "abort":
+            reason = protocol.finish_reason("abort")
+        else:
+            reason = protocol.finish_reason("length", length=len(tokens))
+        meta = {"id": it.rid, "finish_reason": reason, "prompt_tokens": len(it.prompt),
+                "completion_tokens": len(tokens), "cached_tokens": 0, "weight_version": self.weight_version}
+        if it.want_logprob:
+            meta["output_token_logprobs"] = [[float(lp), int(t), None] for lp, t in zip(c.logprobs, tokens)]
+            if it.logprob_start_len >= 0:
+                start = min(it.logprob_start_len, len(it.prompt))
+                meta["input_token_logprobs"] = [[lp, int(t), None] for lp, t in
+                                                zip(teacher["input_logprobs"][start:], it.prompt[start:])]
+        # fed tokens: with generation, prompt + all sampled tokens but the last; without, the prompt
+        routing = c.routing if c.routing is not None else (teacher or {}).get("routing")
+        topk = c.topk if c.topk is not None else (teacher or {}).get("topk")
+        if it.want_routing and self.moe_layers:
+            meta["routed_experts"] = protocol.encode_int32(protocol.stack_layers(
+                {k: v.numpy() for k, v in routing.items()}, self.moe_layers))
+            meta["routed_experts_layers"] = self.moe_layers
+        if it.want_topk and self.dsa_layers:
+            meta["indexer_topk"] = protocol.encode_int32(protocol.stack_layers(
+                {k: v.numpy() for k, v in topk.items()}, self.dsa_layers))
+            meta["indexer_topk_num_layers"] = len(self.dsa_layers)
+            meta["indexer_topk_layers"] = self.dsa_layers
+        text = self.tokenizer.decode(tokens) if self.tokenizer is not None else ""
+        return {"text": text, "output_ids": tokens, "meta_info": meta}
+
+    # ---- weights -------------------------------------------------------------------------------
+    def load_tensors(self, tensors: dict, version: str | None) -> str:
+        """Copy named tensors into the model, all checked before any is written."""
+        params = dict(self.model.named_parameters())
+        unknown = sorted(set(tensors) - set(params))
+        if unknown:
+            raise BadRequest(f"{len(unknown)} tensor(s) are not parameters of this model, e.g. {unknown[0]!r}")
+        for name, value in tensors.items():
+            if tuple(value.shape) != tuple(params[name].shape):
+                raise BadRequest(f"tensor {name!r} has shape {list(value.shape)}; the model's is "
+                                 f"{list(params[name].shape)}")
+            if not (value.dtype.is_floating_point and params[name].dtype.is_floating_point):
+                raise BadRequest(f"tensor {name!r} has dtype {value.dtype}; expected a floating-point tensor "
+                                 f"(the model's is {params[name].dtype})")
+        with torch.no_grad():
+            for name, value in tensors.items():
+                params[name].copy_(value)
+        self.updates += 1
+        self.weight_version = version if version is not None else str(self.updates)
+        return f"updated {len(tensors)} tensor(s); weight_version {self.weight_version}"
+
+    def tensors_from_blobs(self, blobs: list[str]) -> dict:
+        from safetensors.torch import load
+
+        tensors = {}
+        for i, blob in enumerate(blobs):
+            try:
+                tensors.update(load(base64.b64decode(blob, validate=True)))
+            except Exception as err:  # noqa: BLE001 - any decoding failure is the client's bad input
+                raise BadRequest(f"serialized_named_tensors[{i}] is not base64 of a safetensors blob: {err}") from None
+        return tensors
+
+    def tensors_from_disk(self, path: str) -> dict:
+        from safetensors import safe_open
+
+        directory = Path(path).resolve()
+        if not any(directory == root or root in directory.parents for root in self.update_roots):
+            raise PermissionError(f"{path} is not under a directory this server may read updates from "
+                                  f"(start it with --allow-updates-from DIR)")
+        if not directory.is_dir():
+            raise BadRequest(f"{path} is not a directory")
+        if (directory / "config.json").is_file():
+            from glmkit.checkpoint import open_checkpoint
+
+            ckpt = open_checkpoint(directory)
+            return dict(ckpt.state_dict())
+        files = sorted(directory.glob("*.safetensors"))
+        if not files:
+            raise BadRequest(f"{path} holds no *.safetensors file")
+        tensors = {}
+        for f in files:
+            if f.resolve().parent != directory:
+                raise BadRequest(f"{f.name} points outside {path}")
+            with safe_open(str(f), framework="pt") as handle:
+                for name in handle.keys():
+                    tensors[name] = handle.get_tensor(name)
+        return tensors
+
+
+class Batcher:
+    """Collects requests for up to `window_s`, runs groups with equal sampling parameters on the
+    worker thread, resolves each request's future."""
+
+    def __init__(self, service: EngineService, window_s: float = 0.005):
+        self.service, self.window_s = service, window_s
+        self.queue: asyncio.Queue | None = None
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="glmkit-engine")
+        self.cancelled: set = set()
+        self.running: set = set()
+        self.lock = threading.Lock()
+        self.task = None
+
+    def start(self):
+        self.queue = asyncio.Queue()
+        self.task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def submit(self, items: list[Pending]) -> list[dict]:
+        loop = asyncio.get_running_loop()
+        for it in items:
+            it.future = loop.create_future()
+            await self.queue.put(it)
+        return [await it.future for it in items]
+
+    async def call(self, fn, *args):
+        """Run fn on the worker thread (after the batch in flight)."""
+        return await asyncio.get_running_loop().run_in_executor(self.worker, fn, *args)
+
+    def is_cancelled(self, rid: str) -> bool:
+        return rid in self.cancelled
+
+    def abort(self, rid: str | None, abort_all: bool) -> int:
+        with self.lock:
+            targets = set(self.running) if abort_all else ({rid} & self.running)
+            if abort_all and self.queue is not None:
+                targets |= {it.rid for it in self.queue._queue}  # noqa: SLF001 - inspect, not mutate
+            elif rid is not None and self.queue is not None and any(it.rid == rid for it in self.queue._queue):
+                targets.add(rid)
+            self.cancelled |= targets
+        return len(targets)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.running) or (self.queue is not None and not self.queue.empty())
+
+    async def _loop(self):
+        loop = asyncio.get_running_loop()
+        while True:
+            first = await self.queue.get()
+            items = [first]
+            deadline = loop.time() + self.window_s
+            while len(items) < self.service.max_batch:
+                timeout = deadline - loop.time()
+                if timeout <= 0:
+                    break
+                try:
+                    items.append(await asyncio.wait_for(self.queue.get(), timeout))
+                except asyncio.TimeoutError:
+                    break
+            groups: dict = {}
+            for it in items:
+                groups.setdefault(it.key(), []).append(it)
+            for group in groups.values():
+                await self._run(group)
+
+    async def _run(self, group: list[Pending]):
+        with self.lock:
+            self.running |= {it.rid for it in group}
+        try:
+            await self.call(self.service.run_group, group, self.is_cancelled)
+            for it in group:
+                if not it.future.done():
+                    it.future.set_result(it.answer)
+        except Exception as err:  # noqa: BLE001 - every waiting request learns why
+            for it in group:
+                if not it.future.done():
+                    it.future.set_exception(err)
+        finally:
+            with self.lock:
+                self.running -= {it.rid for it in group}
+                self.cancelled -= {it.rid for it in group}
+
+
+def build_app(service: EngineService, window_s: float = 0.005):
+    from contextlib import asynccontextmanager
+
+    from fastapi import FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse
+
+    batcher = Batcher(service, window_s)
+    rids = itertools.count()
+
+    @asynccontextmanager
+    async def lifespan(app):
+        batcher.start()
+        yield
+        batcher.task.cancel()
+        batcher.worker.shutdown(wait=False, cancel_futures=True)
+
+    app = FastAPI(title="glmkit serve (SGLang native API subset)", lifespan=lifespan)
+    app.state.batcher = batcher
+
+    def error(status: int, message: str):
+        return JSONResponse({"error": {"message": message, "code": status}}, status_code=status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError):
+        parts = []
+        for e in exc.errors()[:5]:
+            where = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
+            parts.append(f"{where or 'body'}: {e.get('msg')}")
+        return error(400, "; ".join(parts) or "invalid request")
+
+    @app.exception_handler(BadRequest)
+    async def bad(request: Request, exc: BadRequest):
+        return error(400, str(exc))
+
+    @app.exception_handler(PermissionError)
+    async def forbidden(request: Request, exc: PermissionError):
+        return error(403, str(exc))
+
+    @app.get("/health")
+    async def health():
+        return {}
+
+    @app.get("/health_generate")
+    async def health_generate():
+        item = Pending([1], protocol.SamplingParamsIn(max_new_tokens=1, temperature=0.0), f"health-{next(rids)}",
+                       False, -1, False, False)
+        await batcher.submit([item])
+        return {}
+
+    @app.get("/get_model_info")
+    async def model_info():
+        return {"model_path": service.model_path, "tokenizer_path": service.tokenizer_path, "is_generation": True,
+                "weight_version": service.weight_version, "max_batch_size": service.max_batch,
+                "vocab_size": service.vocab_size, "moe_layers": service.moe_layers, "dsa_layers": service.dsa_layers,
+                "dtype": str(service.model.dtype).replace("torch.", ""), "device": str(service.model.device),
+                "engine_batches": service.batches_run, "engine_requests": service.requests_run}
+
+    @app.post("/generate")
+    async def generate(request: GenerateRequest):
+        prompts = service.encode(request)
+        n = len(prompts)
+        try:
+            params = request.per_input(n, "sampling_params")
+            given = request.per_input(n, "rid")
+        except ValueError as err:
+            raise BadRequest(str(err)) from None
+        rid_list = [r if r is not None else f"req-{next(rids)}" for r in given]
+        items = [Pending(p, sp, rid, request.return_logprob, request.logprob_start_len, request.return_routed_experts,
+                         request.return_indexer_topk) for p, sp, rid in zip(prompts, params, rid_list)]
+        answers = await batcher.submit(items)
+        return answers if request.batched else answers[0]
+
+    @app.post("/flush_cache")
+    async def flush_cache():
+        if batcher.busy:
+            return error(400, "cannot flush the cache while requests are running")
+        return {"success": True, "message": "glmkit keeps no prefix cache; nothing to flush"}
+
+    @app.post("/abort_request")
+    async def abort_request(body: protocol.AbortRequest):
+        if body.rid is None and not body.abort_all:
+            raise BadRequest("give rid or abort_all: true")
+        return {"aborted": batcher.abort(body.rid, body.abort_all)}
+
+    @app.post("/update_weights_from_tensor")
+    async def update_from_tensor(body: protocol.UpdateFromTensor):
+        if body.abort_all_requests:
+            batcher.abort(None, True)
+        tensors = service.tensors_from_blobs(body.serialized_named_tensors)
+        message = await batcher.call(service.load_tensors, tensors, body.weight_version)
+        return {"success": True, "message": message, "weight_version": service.weight_version}
+
+    @app.post("/update_weights_from_disk")
+    async def update_from_disk(body: protocol.UpdateFromDisk):
+        if body.abort_all_requests:
+            batcher.abort(None, True)
+        tensors = await batcher.call(service.tensors_from_disk, body.model_path)
+        message = await batcher.call(service.load_tensors, tensors, body.weight_version)
+        return {"success": True, "message": message, "weight_version": service.weight_version}
+
+    return app
+
+
+def serve(checkpoint, host: str = "127.0.0.1", port: int = 30000, device: str = "cpu", dtype: str | None = None,
+          backends=None, tokenizer: str | None = None, max_batch: int = DEFAULT_MAX_BATCH, update_roots=(),
+          window_s: float = 0.005, on_ready=print):
+    """Load the checkpoint and serve until interrupted. Port 0 picks a free port; `on_ready` gets
+    the line naming the address."""
+    import uvicorn
+
+    from glmkit.model import load_model
+    from glmkit.rl.tokenizer import has_tokenizer_files, load_tokenizer
+
+    model = load_model(checkpoint, getattr(torch, dtype) if dtype else None, device).eval()
+    tok_dir = tokenizer or (str(checkpoint) if has_tokenizer_files(checkpoint) else None)
+    tok = load_tokenizer(tok_dir) if tok_dir else None
+    service = EngineService(model, backends, tok, str(checkpoint), tok_dir or "", max_batch, update_roots)
+    app = build_app(service, window_s)
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    config = uvicorn.Config(app, log_level="warning", access_log=False)
+    server = uvicorn.Server(config)
+    bound = sock.getsockname()[1]
+    on_ready(f"glmkit serve: {checkpoint} on http://{host}:{bound} (SGLang native API; device {device}, "
+             f"max batch {max_batch})")
+    server.run(sockets=[sock])

@@ -1,0 +1,340 @@
+"""`glmkit serve` (a real uvicorn server process on 127.0.0.1) and the real client against it.
+
+The checkpoint is the shipped tiny starting checkpoint (fp32, CPU, with its tokenizer). Equality with
+the in-process engine: the server runs the same code on the same batch, so tokens, routed experts and
+DSA selections are equal exactly and log-probs to 1e-6 (fp32; different processes may pick different
+CPU kernels, measured equal to the last bit here).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import requests
+import torch
+
+from glmkit.model import RolloutEngine, load_model
+from glmkit.model.rollout import SamplingParams
+from glmkit.rl.tokenizer import TINY_TOKENIZER  # noqa: F401 - the shipped tokenizer the checkpoint carries
+from glmkit.serve.client import SGLangClient, SGLangError, SGLangRollout, decode_layers, write_weights_dir
+
+ROOT = Path(__file__).resolve().parents[1]
+CKPT = ROOT / "glmkit" / "assets" / "tiny_start"
+
+
+class Server:
+    """`python -m glmkit serve` in its own process; .url once it listens."""
+
+    def __init__(self, *extra, port=0):
+        self.proc = subprocess.Popen([sys.executable, "-m", "glmkit", "serve", "--checkpoint", str(CKPT),
+                                      "--port", str(port), *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        line = ""
+        deadline = time.time() + 120
+        while time.time() < deadline:
+            line = self.proc.stdout.readline()
+            if "on http://" in line or not line:
+                break
+        assert "on http://127.0.0.1:" in line, f"server did not start: {line!r}"
+        self.url = line.split(" on ")[1].split()[0]
+        self.port = int(self.url.rsplit(":", 1)[1])
+        threading.Thread(target=self.proc.stdout.read, daemon=True).start()  # drain
+        for _ in range(100):
+            try:
+                requests.get(self.url + "/health", timeout=2)
+                break
+            except requests.ConnectionError:
+                time.sleep(0.1)
+
+    def kill(self):
+        self.proc.kill()
+        self.proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def updates_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("updates")
+
+
+@pytest.fixture(scope="module")
+def server(updates_root):
+    s = Server("--max-batch-size", "8", "--allow-updates-from", str(updates_root))
+    yield s
+    s.kill()
+
+
+@pytest.fixture(scope="module")
+def local_engine():
+    return RolloutEngine(load_model(CKPT), "kda=torch")
+
+
+def post(server, path, body):
+    return requests.post(server.url + path, json=body, timeout=60)
+
+
+def test_generate_answers_in_sglang_shapes(server):
+    client = SGLangClient(server.url)
+    assert client.health() and client.health_generate()
+    info = client.model_info()
+    assert info["is_generation"] is True and info["vocab_size"] == 1024 and info["moe_layers"] == [3]
+    answer = client.generate(text="12+3=", sampling_params={"max_new_tokens": 6, "temperature": 0},
+                             return_logprob=True, logprob_start_len=0, return_routed_experts=True,
+                             return_indexer_topk=True, rid="first")
+    meta = answer["meta_info"]
+    assert isinstance(answer["text"], str) and len(answer["output_ids"]) == meta["completion_tokens"] <= 6
+    assert meta["id"] == "first" and meta["weight_version"] == "default" and meta["cached_tokens"] == 0
+    assert meta["finish_reason"]["type"] in ("stop", "length")
+    if meta["finish_reason"]["type"] == "length":
+        assert meta["finish_reason"]["length"] == 6
+    out = meta["output_token_logprobs"]
+    assert [t for _, t, _ in out] == answer["output_ids"]
+    assert all(isinstance(lp, float) and lp <= 0 and text is None for lp, _, text in out)
+    given = meta["input_token_logprobs"]
+    assert len(given) == meta["prompt_tokens"] and given[0][0] is None and all(lp < 0 for lp, _, _ in given[1:])
+    fed = meta["prompt_tokens"] + meta["completion_tokens"] - 1
+    experts = decode_layers(meta, "routed_experts", fed)
+    assert list(experts) == [3] and experts[3].shape == (fed, 2) and int(experts[3].max()) < 8
+    topk = decode_layers(meta, "indexer_topk", fed)
+    assert list(topk) == [3] and topk[3].shape[0] == fed and meta["indexer_topk_num_layers"] == 1
+    # the raw encoding is SGLang's: base64 of int32, tokens x layers x top_k
+    assert np.frombuffer(base64.b64decode(meta["routed_experts"]), dtype=np.int32).size == fed * 1 * 2
+
+
+def test_batched_request_equals_the_in_process_engine(server, local_engine):
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (5, 17, 9)]
+    answers = SGLangClient(server.url).generate(
+        input_ids=prompts, sampling_params={"max_new_tokens": 8, "temperature": 0}, return_logprob=True,
+        return_routed_experts=True, return_indexer_topk=True)
+    assert isinstance(answers, list) and len(answers) == 3
+    local = local_engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=8), record_routing=True,
+                                  record_topk=True)
+    for answer, want, prompt in zip(answers, local, prompts):
+        meta = answer["meta_info"]
+        assert answer["output_ids"] == want.tokens
+        got = torch.tensor([lp for lp, _, _ in meta["output_token_logprobs"]])
+        assert (got - torch.tensor(want.logprobs)).abs().max() < 1e-6
+        fed = len(prompt) + len(want.tokens) - 1
+        assert torch.equal(decode_layers(meta, "routed_experts", fed)[3], want.routing[3])
+        topk = decode_layers(meta, "indexer_topk", fed)[3]
+        assert torch.equal(topk[:, :want.topk[3].shape[1]], want.topk[3].long())
+
+
+def test_teacher_forced_input_logprobs_equal_the_train_path(server):
+    from glmkit.model import TrainPath
+
+    seq = list(range(3, 40))
+    answer = SGLangClient(server.url).generate(input_ids=seq, sampling_params={"max_new_tokens": 0},
+                                               return_logprob=True, logprob_start_len=5)
+    meta = answer["meta_info"]
+    assert answer["output_ids"] == [] and meta["finish_reason"] == {"type": "length", "length": 0}
+    assert [t for _, t, _ in meta["input_token_logprobs"]] == seq[5:]
+    train = TrainPath(load_model(CKPT), "kda=torch").forward([seq]).logprobs  # row t: log-prob of token t+1
+    got = torch.tensor([lp for lp, _, _ in meta["input_token_logprobs"]])
+    assert (got - train[4:-1]).abs().max() < 1e-5  # prefill vs train path: fp32 summation order only
+
+
+def test_concurrent_requests_are_batched_and_answered_alike(server, local_engine):
+    client = SGLangClient(server.url)
+    prompts = [[7 + i, 40, 41, 42 + i] for i in range(8)]
+    before = client.model_info()
+    answers = [None] * len(prompts)
+
+    def ask(i):
+        answers[i] = client.generate(input_ids=prompts[i], sampling_params={"max_new_tokens": 12, "temperature": 0},
+                                     return_logprob=True)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    after = client.model_info()
+    assert after["engine_requests"] - before["engine_requests"] == len(prompts)
+    assert after["engine_batches"] - before["engine_batches"] < len(prompts)  # at least two shared a call
+    for prompt, answer in zip(prompts, answers):
+        alone = local_engine.generate([prompt], SamplingParams(temperature=0, max_new_tokens=12))[0]
+        assert answer["output_ids"] == alone.tokens
+        got = torch.tensor([lp for lp, _, _ in answer["meta_info"]["output_token_logprobs"]])
+        assert (got - torch.tensor(alone.logprobs)).abs().max() < 1e-4  # batched vs alone: fp32 order
+
+
+@pytest.mark.parametrize("body,needle", [
+    ({"input_ids": "abc"}, "input_ids"),
+    ({"input_ids": [1, 2], "sampling_params": {"temperature": "hot"}}, "temperature"),
+    ({"input_ids": []}, "input 0 is empty"),
+    ({"text": ""}, "input 0 is empty"),
+    ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": -1}}, "max_new_tokens"),
+    ({"input_ids": [[1, 2]] * 9}, "larger than this server's --max-batch-size 8"),
+    ({"input_ids": [1, 2], "temperature": 0.5}, "temperature: Extra inputs are not permitted"),
+    ({"input_ids": [1, 2], "sampling_params": {"top_k": 5}}, "top_k"),
+    ({"input_ids": [1, 5000]}, "token id 5000 outside the vocabulary"),
+    ({"input_ids": [1, -3]}, "input_ids"),
+    ({"text": "a", "input_ids": [1]}, "exactly one of text and input_ids"),
+    ({"input_ids": [[1], [2]], "sampling_params": [{}, {}, {}]}, "sampling_params has 3 entries for 2 inputs"),
+    ({"input_ids": [1, 2], "sampling_params": {"top_p": 0}}, "top_p"),
+    ({"input_ids": [1, 2], "stream": True}, "stream"),
+])
+def test_bad_requests_get_400_and_the_server_keeps_serving(server, body, needle):
+    answer = post(server, "/generate", body)
+    assert answer.status_code == 400, answer.text
+    message = answer.json()["error"]["message"]
+    assert needle in message, message
+    assert requests.get(server.url + "/health", timeout=10).status_code == 200
+
+
+def test_malformed_json_and_control_endpoints(server):
+    answer = requests.post(server.url + "/generate", data=b"{not json", headers={"content-type": "application/json"},
+                           timeout=10)
+    assert answer.status_code == 400 and "error" in answer.json()
+    assert post(server, "/abort_request", {}).status_code == 400
+    assert post(server, "/abort_request", {"rid": "nobody"}).json() == {"aborted": 0}
+    assert post(server, "/flush_cache", {}).json()["success"] is True
+    client = SGLangClient(server.url)
+    with pytest.raises(SGLangError, match=r"/generate: HTTP 400: input 0 is empty"):
+        client.generate(input_ids=[])
+
+
+def test_abort_ends_a_running_request(server):
+    client = SGLangClient(server.url)
+    result = {}
+    worker = threading.Thread(target=lambda: result.update(client.generate(
+        input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 3000, "temperature": 1.0}, rid="long")))
+    worker.start()
+    deadline = time.time() + 30
+    while time.time() < deadline and client.abort(rid="long")["aborted"] == 0:
+        time.sleep(0.05)
+    worker.join(120)
+    assert result["meta_info"]["finish_reason"]["type"] == "abort"
+    assert 0 < result["meta_info"]["completion_tokens"] < 3000
+
+
+def test_weight_updates_change_the_logprobs(server, updates_root, tmp_path):
+    from safetensors.torch import load_file
+
+    client = SGLangClient(server.url)
+    seq = list(range(10, 30))
+
+    def logprobs():
+        meta = client.generate(input_ids=seq, sampling_params={"max_new_tokens": 0}, return_logprob=True,
+                               logprob_start_len=1)["meta_info"]
+        return torch.tensor([lp for lp, _, _ in meta["input_token_logprobs"]]), meta["weight_version"]
+
+    base, version = logprobs()
+    head = load_file(str(CKPT / "model.safetensors"))["lm_head.weight"]
+    moved = client.update_weights_from_tensor({"lm_head.weight": head * 1.5}, weight_version="tensor-1")
+    assert moved["success"] and moved["weight_version"] == "tensor-1"
+    scaled, version = logprobs()
+    assert version == "tensor-1" and (scaled - base).abs().max() > 1e-2
+
+    path = write_weights_dir({"lm_head.weight": head}, updates_root, "restore")
+    assert client.update_weights_from_disk(path, weight_version="disk-1")["weight_version"] == "disk-1"
+    restored, version = logprobs()
+    assert version == "disk-1" and (restored - base).abs().max() < 1e-6
+    assert not [p for p in updates_root.iterdir() if ".tmp-" in p.name]  # staging renamed away
+
+    outside = write_weights_dir({"lm_head.weight": head}, tmp_path, "elsewhere")
+    with pytest.raises(SGLangError, match="HTTP 403: .* is not under a directory this server may read"):
+        client.update_weights_from_disk(outside)
+    with pytest.raises(SGLangError, match=r"HTTP 400: 1 tensor\(s\) are not parameters of this model, e.g. 'nope'"):
+        client.update_weights_from_tensor({"nope": torch.zeros(2)})
+    with pytest.raises(SGLangError, match=r"'lm_head.weight' has shape \[2, 2\]; the model's is \[1024, 64\]"):
+        client.update_weights_from_tensor({"lm_head.weight": torch.zeros(2, 2)})
+    pickled = base64.b64encode(b"\x80\x04K\x01.").decode()
+    bad = post(server, "/update_weights_from_tensor", {"serialized_named_tensors": [pickled],
+                                                        "load_format": "direct"})
+    assert bad.status_code == 400 and "load_format" in bad.json()["error"]["message"]
+    bad = post(server, "/update_weights_from_tensor", {"serialized_named_tensors": [pickled],
+                                                        "load_format": "safetensors"})
+    assert bad.status_code == 400 and "not base64 of a safetensors blob" in bad.json()["error"]["message"]
+    assert logprobs()[1] == "disk-1"  # refused updates changed nothing
+
+
+def test_killed_server_gives_a_clear_error_and_a_retry_after_restart_works():
+    first = Server()
+    client = SGLangClient(first.url, retries=0)
+    errors = []
+
+    def ask():
+        try:
+            client.generate(input_ids=[5, 6], sampling_params={"max_new_tokens": 5000, "temperature": 1.0})
+        except SGLangError as err:
+            errors.append(str(err))
+
+    worker = threading.Thread(target=ask)
+    worker.start()
+    time.sleep(1.0)
+    first.kill()
+    worker.join(60)
+    assert errors and "connection failed or was lost after 1 attempt(s)" in errors[0], errors
+    assert first.url in errors[0]
+    second = Server(port=first.port)
+    try:
+        answer = SGLangClient(first.url, retries=3, backoff_s=0.2).generate(
+            input_ids=[5, 6], sampling_params={"max_new_tokens": 3, "temperature": 0})
+        assert len(answer["output_ids"]) == 3
+    finally:
+        second.kill()
+
+
+def test_client_refuses_bad_settings():
+    with pytest.raises(ValueError, match="must start with http:// or https://"):
+        SGLangClient("127.0.0.1:30000")
+    with pytest.raises(ValueError, match="weight update mode 'ipc'; allowed: tensor, disk"):
+        SGLangRollout("http://127.0.0.1:1", mode="ipc")
+
+
+def test_parity_against_the_server_path(server, tmp_path):
+    out = tmp_path / "parity.json"
+    run = subprocess.run([sys.executable, "-m", "glmkit", "parity", "--checkpoint", str(CKPT), "--paths",
+                          f"train,sglang:{server.url}", "--json", str(out)], capture_output=True, text=True,
+                         cwd=ROOT, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    result = json.loads(out.read_text())
+    assert result["verdict"] == "pass"
+    sites = {(s["layer"], s["site"]) for s in result["sites"]}
+    assert sites == {(None, "logprobs"), (3, "router_experts"), (3, "indexer_topk")}  # no hidden states
+    assert result["logprob_abs_diff"] < 1e-5  # fp32 train path vs the server's prefill: summation order
+
+
+def test_parity_against_the_server_fails_on_other_weights(server, tmp_path):
+    """A server whose weights differ is judged on its log-probs (it reports no hidden states)."""
+    from safetensors.torch import load_file
+
+    client = SGLangClient(server.url)
+    head = load_file(str(CKPT / "model.safetensors"))["lm_head.weight"]
+    client.update_weights_from_tensor({"lm_head.weight": head * 1.1})
+    try:
+        run = subprocess.run([sys.executable, "-m", "glmkit", "parity", "--checkpoint", str(CKPT), "--paths",
+                              f"train,sglang:{server.url}"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    finally:
+        client.update_weights_from_tensor({"lm_head.weight": head})
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "verdict: fail, first divergence at layer None, site logprobs" in run.stdout, run.stdout
+
+
+def test_grpo_with_the_server_as_rollout_backend(server, tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    before = SGLangClient(server.url).model_info()["weight_version"]
+    run = subprocess.run([sys.executable, "-m", "glmkit", "train", "--model-name", "tiny", "--num-rollout", "2",
+                          "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--global-batch-size", "16",
+                          "--rollout-max-response-len", "16", "--rollout-url", server.url, "--enable-r3",
+                          "--metrics-out", str(metrics)], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    train_rows = [r for r in rows if "train/step" in r]
+    assert len(train_rows) == 2
+    for r in train_rows:  # fp32, same code on both sides, routing replayed
+        assert r["train/train_rollout_logprob_abs_diff"] < 1e-4
+        assert r["train/routing_mismatch_frac"] == 0
+    after = SGLangClient(server.url).model_info()["weight_version"]
+    assert after != before  # every optimizer step pushed the weights
