@@ -338,3 +338,23 @@ def test_grpo_with_the_server_as_rollout_backend(server, tmp_path):
         assert r["train/routing_mismatch_frac"] == 0
     after = SGLangClient(server.url).model_info()["weight_version"]
     assert after != before  # every optimizer step pushed the weights
+
+
+def test_lora_grpo_pushes_merged_weights_through_a_directory(server, updates_root, tmp_path):
+    """LoRA adapters merged into their projections (W + B A alpha / r) and written as an atomically
+    renamed directory the server reads: the rollout then samples from what the trainer scores."""
+    metrics = tmp_path / "metrics.jsonl"
+    run = subprocess.run([sys.executable, "-m", "glmkit", "lora", "train", "--model-name", "tiny", "--num-rollout",
+                          "2", "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--global-batch-size", "8",
+                          "--rollout-max-response-len", "16", "--lr", "1e-2", "--rollout-url", server.url,
+                          "--weight-update", "disk", "--weight-update-dir", str(updates_root), "--enable-r3",
+                          "--metrics-out", str(metrics)], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    train_rows = [r for r in rows if "train/step" in r]
+    assert len(train_rows) == 4
+    # rollout 1 sampled from weights the adapters moved (lr 1e-2, two steps); merged or not, the same model
+    assert all(r["train/train_rollout_logprob_abs_diff"] < 1e-4 for r in train_rows)
+    assert any(r["train/grad_norm"] > 0 for r in train_rows[:2])  # the adapters moved before rollout 1
+    assert (updates_root / "glmkit-update" / "weights.safetensors").is_file()
+    assert not [p for p in updates_root.iterdir() if ".tmp-" in p.name or ".old-" in p.name]

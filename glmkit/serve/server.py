@@ -439,6 +439,7 @@ def serve(checkpoint, host: str = "127.0.0.1", port: int = 30000, device: str = 
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
+    sock.listen(2048)  # connections made from now on wait in the backlog until uvicorn accepts them
     config = uvicorn.Config(app, log_level="warning", access_log=False)
     server = uvicorn.Server(config)
     bound = sock.getsockname()[1]

@@ -1,0 +1,148 @@
+"""Load on `glmkit serve` over loopback: N concurrent clients, bounded in count and time.
+
+    python benchmarks/bench_serve.py [--checkpoint DIR] [--device cpu|cuda] [--clients 16]
+                                     [--requests 64] [--max-new-tokens 32] [--time-limit-s 120]
+                                     [--out FILE.json]
+
+Starts the server as its own process (default: the shipped tiny checkpoint on the CPU), then
+`--clients` threads send `--requests` single-prompt requests in all (random prompts of 8-64 tokens,
+temperature 1, fixed lengths: stop tokens off), each thread one request at a time. Reports
+requests/s, output tokens/s, p50 / p99 latency, and what was lost (a request without an answer of the
+asked length counts as lost; the run fails if any is). For scale, the same prompts run through the
+in-process engine in batches of the server's size, in this process: the ratio is the server's
+tokens/s over the engine's (the price of HTTP, JSON and the batching window).
+On the GPU: synthesise the 4-layer slice first (`glmkit ckpt synth --variant GLM-5.3-Flash-4layer
+--device cuda --out DIR`) and pass `--checkpoint DIR --device cuda`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def start_server(checkpoint, device, max_batch):
+    proc = subprocess.Popen([sys.executable, "-m", "glmkit", "serve", "--checkpoint", str(checkpoint), "--port", "0",
+                             "--device", device, "--max-batch-size", str(max_batch)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    line = proc.stdout.readline()
+    while line and "on http://" not in line:
+        line = proc.stdout.readline()
+    if "on http://" not in line:
+        proc.kill()
+        raise RuntimeError(f"server did not start: {line!r}")
+    threading.Thread(target=proc.stdout.read, daemon=True).start()
+    return proc, line.split(" on ")[1].split()[0]
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", default=str(ROOT / "glmkit" / "assets" / "tiny_start"))
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--clients", type=int, default=16)
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--max-batch", type=int, default=16)
+    parser.add_argument("--time-limit-s", type=float, default=120.0)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    for name in ("clients", "requests", "max_new_tokens", "max_batch"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
+
+    import torch
+
+    from glmkit.serve.client import SGLangClient, SGLangError
+
+    proc, url = start_server(args.checkpoint, args.device, args.max_batch)
+    try:
+        client = SGLangClient(url, timeout_s=args.time_limit_s, retries=0)
+        info = client.model_info()
+        g = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(3, info["vocab_size"], (int(n),), generator=g).tolist()
+                   for n in torch.randint(8, 65, (args.requests,), generator=g)]
+        client.generate(input_ids=prompts[0], sampling_params={"max_new_tokens": 2})  # warm-up
+        latencies, lost, next_index, lock = [], [], iter(range(args.requests)), threading.Lock()
+        deadline = time.perf_counter() + args.time_limit_s
+        sampling = {"max_new_tokens": args.max_new_tokens, "temperature": 1.0}
+
+        def worker():
+            while time.perf_counter() < deadline:
+                with lock:
+                    i = next(next_index, None)
+                if i is None:
+                    return
+                start = time.perf_counter()
+                try:
+                    answer = client.generate(input_ids=prompts[i], sampling_params=sampling)
+                    ok = len(answer["output_ids"]) == args.max_new_tokens
+                except SGLangError as err:
+                    ok, answer = False, str(err)
+                with lock:
+                    (latencies.append(time.perf_counter() - start) if ok else lost.append((i, answer)))
+
+        began = time.perf_counter()
+        threads = [threading.Thread(target=worker) for _ in range(args.clients)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall = time.perf_counter() - began
+        served = len(latencies)
+        after = client.model_info()
+    finally:
+        proc.kill()
+        proc.wait(30)
+
+    from glmkit.model import RolloutEngine, load_model
+    from glmkit.model.rollout import SamplingParams
+
+    engine = RolloutEngine(load_model(args.checkpoint, device=args.device))
+    params = SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens)
+    engine.generate(prompts[:1], SamplingParams(max_new_tokens=2))
+    start = time.perf_counter()
+    for s in range(0, served, args.max_batch):
+        engine.generate(prompts[s:s + args.max_batch], params)
+    if args.device == "cuda":
+        torch.cuda.synchronize()
+    engine_s = time.perf_counter() - start
+
+    unsent = args.requests - served - len(lost)
+    q = sorted(latencies)
+    result = {"checkpoint": args.checkpoint, "device": args.device, "clients": args.clients,
+              "requests": args.requests, "served": served, "lost": len(lost), "unsent_at_time_limit": unsent,
+              "wall_s": wall, "requests_per_s": served / wall, "tokens_per_s": served * args.max_new_tokens / wall,
+              "latency_p50_s": statistics.median(q) if q else None,
+              "latency_p99_s": q[min(len(q) - 1, int(0.99 * len(q)))] if q else None,
+              "engine_batches": after["engine_batches"], "in_process_tokens_per_s":
+              served * args.max_new_tokens / engine_s if served else None}
+    if served:
+        result["ratio"] = result["tokens_per_s"] / result["in_process_tokens_per_s"]
+    print(f"{served}/{args.requests} requests from {args.clients} clients in {wall:.1f} s: "
+          f"{result['requests_per_s']:.1f} req/s, {result['tokens_per_s']:.0f} tok/s, "
+          f"p50 {result['latency_p50_s'] or 0:.3f} s, p99 {result['latency_p99_s'] or 0:.3f} s, "
+          f"lost {len(lost)}, not sent (time limit) {unsent}; {after['engine_batches']} engine calls")
+    if served:
+        print(f"in-process engine, same prompts in batches of {args.max_batch}: "
+              f"{result['in_process_tokens_per_s']:.0f} tok/s; server / in-process: {result['ratio']:.2f}x")
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    if lost:
+        print(f"lost requests, first: {lost[0]}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
