@@ -353,8 +353,11 @@ def cmd_serve(args) -> int:
     for root in args.allow_updates_from:
         if not Path(root).is_dir():
             raise FileNotFoundError(f"--allow-updates-from {root}: not a directory")
+    if args.max_context < 2:
+        raise ValueError(f"--max-context must be >= 2, got {args.max_context}")
     serve(args.checkpoint, args.host, args.port, args.device, args.dtype, _backends(args), args.tokenizer,
-          args.max_batch_size, args.allow_updates_from, on_ready=lambda line: print(line, flush=True))
+          args.max_batch_size, args.allow_updates_from, on_ready=lambda line: print(line, flush=True),
+          max_context=args.max_context)
     return 0
 
 
@@ -556,6 +559,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=list(DTYPES), help="default: the checkpoint's")
     p.add_argument("--tokenizer", help="tokenizer directory for text inputs (default: the checkpoint's own files)")
     p.add_argument("--max-batch-size", type=int, default=64, help="most inputs batched into one engine call")
+    p.add_argument("--max-context", type=int, default=65536,
+                   help="most prompt + new tokens of one request (larger ones are refused with 400)")
     p.add_argument("--allow-updates-from", action="append", default=[], metavar="DIR",
                    help="/update_weights_from_disk may read directories under DIR (repeatable; default: none)")
     _backend_arguments(p)

@@ -67,7 +67,7 @@ def updates_root(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(updates_root):
-    s = Server("--max-batch-size", "8", "--allow-updates-from", str(updates_root))
+    s = Server("--max-batch-size", "8", "--max-context", "4096", "--allow-updates-from", str(updates_root))
     yield s
     s.kill()
 
@@ -183,6 +183,7 @@ def test_concurrent_requests_are_batched_and_answered_alike(server, local_engine
     ({"input_ids": [[1], [2]], "sampling_params": [{}, {}, {}]}, "sampling_params has 3 entries for 2 inputs"),
     ({"input_ids": [1, 2], "sampling_params": {"top_p": 0}}, "top_p"),
     ({"input_ids": [1, 2], "stream": True}, "stream"),
+    ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 4095}}, "exceed this server's --max-context 4096"),
 ])
 def test_bad_requests_get_400_and_the_server_keeps_serving(server, body, needle):
     answer = post(server, "/generate", body)
@@ -247,6 +248,11 @@ def test_weight_updates_change_the_logprobs(server, updates_root, tmp_path):
         client.update_weights_from_disk(outside)
     with pytest.raises(SGLangError, match=r"HTTP 400: 1 tensor\(s\) are not parameters of this model, e.g. 'nope'"):
         client.update_weights_from_tensor({"nope": torch.zeros(2)})
+    broken = updates_root / "broken"
+    broken.mkdir()
+    (broken / "weights.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(SGLangError, match="HTTP 400: .*broken"):
+        client.update_weights_from_disk(broken)
     with pytest.raises(SGLangError, match=r"'lm_head.weight' has shape \[2, 2\]; the model's is \[1024, 64\]"):
         client.update_weights_from_tensor({"lm_head.weight": torch.zeros(2, 2)})
     pickled = base64.b64encode(b"\x80\x04K\x01.").decode()
@@ -340,15 +346,20 @@ def test_grpo_with_the_server_as_rollout_backend(server, tmp_path):
     assert after != before  # every optimizer step pushed the weights
 
 
-def test_lora_grpo_pushes_merged_weights_through_a_directory(server, updates_root, tmp_path):
+def test_lora_grpo_pushes_merged_weights_through_a_directory(tmp_path):
     """LoRA adapters merged into their projections (W + B A alpha / r) and written as an atomically
-    renamed directory the server reads: the rollout then samples from what the trainer scores."""
+    renamed directory the server reads: the rollout then samples from what the trainer scores. A
+    server of its own: the other tests' full-weight updates would leave it on other base weights."""
+    updates_root = tmp_path / "updates"
+    updates_root.mkdir()
+    server = Server("--allow-updates-from", str(updates_root))
     metrics = tmp_path / "metrics.jsonl"
     run = subprocess.run([sys.executable, "-m", "glmkit", "lora", "train", "--model-name", "tiny", "--num-rollout",
                           "2", "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--global-batch-size", "8",
                           "--rollout-max-response-len", "16", "--lr", "1e-2", "--rollout-url", server.url,
                           "--weight-update", "disk", "--weight-update-dir", str(updates_root), "--enable-r3",
                           "--metrics-out", str(metrics)], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    server.kill()
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     train_rows = [r for r in rows if "train/step" in r]

@@ -177,8 +177,16 @@ class SGLangRollout:
         return completions
 
     def bind(self, policy):
-        """The trainer's model, whose base weights the LoRA adapters merge into (GRPOTrainer calls this)."""
+        """The trainer's model, whose base weights the LoRA adapters merge into (GRPOTrainer calls this).
+        Syncs send the trainable tensors only: the server must hold the trainer's starting checkpoint."""
         self.policy = policy
+        version = self.client.model_info().get("weight_version", "default")
+        if version != "default":
+            import warnings
+
+            warnings.warn(f"{self.client.url} was updated before this run (weight_version {version!r}): syncs "
+                          f"send only the trainable tensors, so its other weights must equal this run's checkpoint "
+                          f"(restart the server from it to be sure)", stacklevel=2)
 
     def merged(self, tensors: dict) -> dict:
         """Adapter tensors -> the merged weights of their projections; other tensors unchanged."""

@@ -27,6 +27,7 @@ from glmkit.serve import protocol
 from glmkit.serve.protocol import GenerateRequest
 
 DEFAULT_MAX_BATCH = 64
+DEFAULT_MAX_CONTEXT = 65536  # prompt + new tokens of one request: bounds what one request can allocate
 
 
 class BadRequest(ValueError):
@@ -54,12 +55,12 @@ class EngineService:
     """The model, its engine and tokenizer, the weight version; every method runs on the worker."""
 
     def __init__(self, model, backends=None, tokenizer=None, model_path: str = "", tokenizer_path: str = "",
-                 max_batch: int = DEFAULT_MAX_BATCH, update_roots=()):
+                 max_batch: int = DEFAULT_MAX_BATCH, update_roots=(), max_context: int = DEFAULT_MAX_CONTEXT):
         from glmkit.model import RolloutEngine
 
         self.model, self.engine = model, RolloutEngine(model, backends)
         self.tokenizer, self.model_path, self.tokenizer_path = tokenizer, model_path, tokenizer_path
-        self.max_batch = max_batch
+        self.max_batch, self.max_context = max_batch, max_context
         self.update_roots = [Path(r).resolve() for r in update_roots]
         self.weight_version = "default"
         self.updates = 0
@@ -71,6 +72,12 @@ class EngineService:
         self.vocab_size = config.vocab_size
 
     # ---- requests ------------------------------------------------------------------------------
+    def check_lengths(self, prompts, params):
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            if len(p) + sp.max_new_tokens > self.max_context:
+                raise BadRequest(f"input {i}: {len(p)} prompt tokens + max_new_tokens {sp.max_new_tokens} exceed this "
+                                 f"server's --max-context {self.max_context}")
+
     def encode(self, request: GenerateRequest) -> list[list[int]]:
         if request.text is not None:
             if self.tokenizer is None:
@@ -208,26 +215,34 @@ class EngineService:
         return tensors
 
     def tensors_from_disk(self, path: str) -> dict:
-        from safetensors import safe_open
-
         directory = Path(path).resolve()
         if not any(directory == root or root in directory.parents for root in self.update_roots):
             raise PermissionError(f"{path} is not under a directory this server may read updates from "
                                   f"(start it with --allow-updates-from DIR)")
         if not directory.is_dir():
             raise BadRequest(f"{path} is not a directory")
+        try:
+            return self._read_dir(directory)
+        except BadRequest:
+            raise
+        except Exception as err:  # noqa: BLE001 - an unreadable update is the client's bad input, said whole
+            raise BadRequest(f"{path}: {err}") from None
+
+    @staticmethod
+    def _read_dir(directory: Path) -> dict:
+        from safetensors import safe_open
+
         if (directory / "config.json").is_file():
             from glmkit.checkpoint import open_checkpoint
 
-            ckpt = open_checkpoint(directory)
-            return dict(ckpt.state_dict())
+            return dict(open_checkpoint(directory).state_dict())
         files = sorted(directory.glob("*.safetensors"))
         if not files:
-            raise BadRequest(f"{path} holds no *.safetensors file")
+            raise BadRequest(f"{directory} holds no *.safetensors file")
         tensors = {}
         for f in files:
             if f.resolve().parent != directory:
-                raise BadRequest(f"{f.name} points outside {path}")
+                raise BadRequest(f"{f.name} points outside {directory}")
             with safe_open(str(f), framework="pt") as handle:
                 for name in handle.keys():
                     tensors[name] = handle.get_tensor(name)
@@ -371,7 +386,7 @@ def build_app(service: EngineService, window_s: float = 0.005):
     async def model_info():
         return {"model_path": service.model_path, "tokenizer_path": service.tokenizer_path, "is_generation": True,
                 "weight_version": service.weight_version, "max_batch_size": service.max_batch,
-                "vocab_size": service.vocab_size, "moe_layers": service.moe_layers, "dsa_layers": service.dsa_layers,
+                "vocab_size": service.vocab_size, "max_context": service.max_context, "moe_layers": service.moe_layers, "dsa_layers": service.dsa_layers,
                 "dtype": str(service.model.dtype).replace("torch.", ""), "device": str(service.model.device),
                 "engine_batches": service.batches_run, "engine_requests": service.requests_run}
 
@@ -384,6 +399,7 @@ def build_app(service: EngineService, window_s: float = 0.005):
             given = request.per_input(n, "rid")
         except ValueError as err:
             raise BadRequest(str(err)) from None
+        service.check_lengths(prompts, params)
         rid_list = [r if r is not None else f"req-{next(rids)}" for r in given]
         items = [Pending(p, sp, rid, request.return_logprob, request.logprob_start_len, request.return_routed_experts,
                          request.return_indexer_topk) for p, sp, rid in zip(prompts, params, rid_list)]
@@ -423,7 +439,7 @@ def build_app(service: EngineService, window_s: float = 0.005):
 
 def serve(checkpoint, host: str = "127.0.0.1", port: int = 30000, device: str = "cpu", dtype: str | None = None,
           backends=None, tokenizer: str | None = None, max_batch: int = DEFAULT_MAX_BATCH, update_roots=(),
-          window_s: float = 0.005, on_ready=print):
+          window_s: float = 0.005, on_ready=print, max_context: int = DEFAULT_MAX_CONTEXT):
     """Load the checkpoint and serve until interrupted. Port 0 picks a free port; `on_ready` gets
     the line naming the address."""
     import uvicorn
@@ -434,7 +450,8 @@ def serve(checkpoint, host: str = "127.0.0.1", port: int = 30000, device: str = 
     model = load_model(checkpoint, getattr(torch, dtype) if dtype else None, device).eval()
     tok_dir = tokenizer or (str(checkpoint) if has_tokenizer_files(checkpoint) else None)
     tok = load_tokenizer(tok_dir) if tok_dir else None
-    service = EngineService(model, backends, tok, str(checkpoint), tok_dir or "", max_batch, update_roots)
+    service = EngineService(model, backends, tok, str(checkpoint), tok_dir or "", max_batch, update_roots,
+                            max_context)
     app = build_app(service, window_s)
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
