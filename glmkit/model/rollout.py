@@ -9,7 +9,8 @@ it completes). Sampling returns each sampled token's log-prob under softmax(logi
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections import deque
+from dataclasses import dataclass, field, fields, is_dataclass
 
 import torch
 
@@ -162,6 +163,115 @@ class RolloutEngine:
             for field_name in set(wanted.values()):
                 setattr(c, field_name, {layer: torch.cat(rows) for layer, rows in getattr(c, field_name).items()})
         return done
+
+    @torch.no_grad()
+    def generate_continuous(self, prompts, params: SamplingParams, max_batch: int, seed: int = 0,
+                            max_new_tokens: list | None = None, record_routing: bool = False,
+                            record_topk: bool = False) -> list[Completion]:
+        """Continuous batching over `max_batch` cache slots allocated once: requests join when a slot
+        frees (those joining together are prefilled together, between decode steps) and leave when
+        they finish (stop token or their length limit: `max_new_tokens[i]`, else params'). Every decode
+        step runs all slots (static shapes; a free slot computes on a dummy token and is reset when a
+        request joins it). Completions as `generate`, in the order of `prompts`."""
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("generate needs at least one prompt and every prompt needs at least one token")
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        limits = list(max_new_tokens) if max_new_tokens is not None else [params.max_new_tokens] * len(prompts)
+        if len(limits) != len(prompts) or any(int(n) < 1 for n in limits):
+            raise ValueError(f"max_new_tokens needs one limit >= 1 per prompt ({len(prompts)} prompts), got {limits}")
+        device = self.model.device
+        slots = min(max_batch, len(prompts))
+        capacity = max(len(p) + n for p, n in zip(prompts, limits))
+        states = self._empty_states(slots, capacity)
+        lengths = torch.zeros(slots, dtype=torch.long, device=device)
+        feed = torch.zeros(slots, dtype=torch.long, device=device)
+        owner = [None] * slots  # request index per slot, None when free
+        done = [Completion(prompt=list(map(int, p)), routing={} if record_routing else None,
+                           topk={} if record_topk else None) for p in prompts]
+        wanted = {"router_experts": "routing"} if record_routing else {}
+        if record_topk:
+            wanted["indexer_topk"] = "topk"
+        generator = torch.Generator(device=device).manual_seed(seed)
+        stop = torch.tensor(params.stop_token_ids, dtype=torch.long)
+        waiting = deque(range(len(prompts)))
+
+        def take(logits, where):
+            """Sample one token for the requests in slots `where` from their logits rows."""
+            tokens, logprobs = sample(logits, params, generator)
+            tokens, logprobs = tokens.tolist(), logprobs.tolist()  # one host read per step
+            for s, token, logprob in zip(where, tokens, logprobs):
+                c = done[owner[s]]
+                c.tokens.append(token)
+                c.logprobs.append(logprob)
+                if token in stop:
+                    c.finish_reason = "stop"
+                elif len(c.tokens) < limits[owner[s]]:
+                    feed[s] = token
+                    continue
+                owner[s] = None
+
+        while waiting or any(o is not None for o in owner):
+            free = [s for s in range(slots) if owner[s] is None]
+            if free and waiting:
+                joining = [waiting.popleft() for _ in range(min(len(free), len(waiting)))]
+                into = free[:len(joining)]
+                starts = [0]
+                for i in joining:
+                    starts.append(starts[-1] + len(prompts[i]))
+
+                def prefill_record(layer, site, value, joining=joining, starts=starts):
+                    if site in wanted:
+                        for j, i in enumerate(joining):
+                            rows = value[starts[j]:starts[j + 1]].cpu()
+                            if site == "indexer_topk":
+                                rows = torch.where(rows >= 0, rows - starts[j], rows).to(torch.int32)
+                            getattr(done[i], wanted[site])[layer] = [rows]
+
+                batch, logits = self.prefill([prompts[i] for i in joining], capacity,
+                                             record=prefill_record if wanted else None)
+                for j, (s, i) in enumerate(zip(into, joining)):
+                    for slot_state, new_state in zip(states, batch.states):
+                        _copy_into_slot(slot_state, new_state, s, j)
+                    lengths[s] = len(prompts[i])
+                    owner[s] = i
+                take(logits, into)
+            fed = [s for s in range(slots) if owner[s] is not None]
+            if not fed:
+                continue
+
+            def step_record(layer, site, value, fed=fed):
+                if site in wanted:
+                    rows = value.cpu()
+                    if site == "indexer_topk":
+                        rows = rows.to(torch.int32)
+                    for s in fed:
+                        getattr(done[owner[s]], wanted[site])[layer].append(rows[s:s + 1])
+
+            batch = DecodeBatch(states, lengths)
+            logits = self.step(batch, feed, record=step_record if wanted else None)
+            active = torch.tensor([o is not None for o in owner], device=device)
+            lengths = torch.where(active, batch.lengths, 0)  # a free slot stays at position 0
+            take(logits[fed], fed)
+        for c in done:
+            for field_name in set(wanted.values()):
+                setattr(c, field_name, {layer: torch.cat(rows) for layer, rows in getattr(c, field_name).items()})
+        return done
+
+
+def _copy_into_slot(slot_state, new_state, slot: int, row: int):
+    """Request `row` of a freshly prefilled layer state -> slot `slot` of the engine's slot state.
+    Fields match by name; capacity axes may be shorter in the new state: the slot is zeroed first, so
+    nothing of its previous request survives."""
+    for f in fields(slot_state):
+        dst, src = getattr(slot_state, f.name), getattr(new_state, f.name)
+        if dst is None:
+            continue
+        if is_dataclass(dst):
+            _copy_into_slot(dst, src, slot, row)
+            continue
+        dst[slot].zero_()
+        dst[slot][tuple(slice(0, n) for n in src.shape[1:])] = src[row]
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator) -> tuple[torch.Tensor, torch.Tensor]:
