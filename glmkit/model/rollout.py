@@ -167,12 +167,13 @@ class RolloutEngine:
     @torch.no_grad()
     def generate_continuous(self, prompts, params: SamplingParams, max_batch: int, seed: int = 0,
                             max_new_tokens: list | None = None, record_routing: bool = False,
-                            record_topk: bool = False) -> list[Completion]:
+                            record_topk: bool = False, cancelled=None) -> list[Completion]:
         """Continuous batching over `max_batch` cache slots allocated once: requests join when a slot
         frees (those joining together are prefilled together, between decode steps) and leave when
         they finish (stop token or their length limit: `max_new_tokens[i]`, else params'). Every decode
         step runs all slots (static shapes; a free slot computes on a dummy token and is reset when a
-        request joins it). Completions as `generate`, in the order of `prompts`."""
+        request joins it). Completions as `generate`, in the order of `prompts`; `cancelled(i)` as
+        there."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("generate needs at least one prompt and every prompt needs at least one token")
         if max_batch < 1:
@@ -206,6 +207,8 @@ class RolloutEngine:
                 c.logprobs.append(logprob)
                 if token in stop:
                     c.finish_reason = "stop"
+                elif cancelled is not None and cancelled(owner[s]):
+                    c.finish_reason = "abort"
                 elif len(c.tokens) < limits[owner[s]]:
                     feed[s] = token
                     continue

@@ -1,8 +1,9 @@
 """`glmkit serve`: glmkit's rollout engine behind SGLang's native HTTP API (FastAPI + uvicorn).
 
-Concurrent requests are batched: a request waits up to `batch_window_s` for others, then every
-waiting request with the same sampling parameters runs as one `RolloutEngine.generate` call (the
-engine's batch is fixed for the call; continuous batching arrives with the rollout-engine work).
+Concurrent requests are batched: a request waits up to `window_s` (5 ms) for others, then every
+waiting request with the same sampling parameters (lengths may differ) runs as one
+`RolloutEngine.generate_continuous` call, each leaving its slot when it finishes; requests that
+arrive meanwhile wait for the next call.
 One worker thread owns the model: generation and weight updates never overlap.
 
 Weight updates: `/update_weights_from_tensor` takes safetensors blobs (never pickle);
@@ -47,8 +48,9 @@ class Pending:
     answer: dict = field(default_factory=dict)
 
     def key(self):
+        """Requests that can share one engine call: lengths may differ (each leaves at its own)."""
         p = self.params
-        return (p.temperature, p.top_p, p.max_new_tokens, tuple(p.stop_token_ids), p.sampling_seed)
+        return (p.temperature, p.top_p, p.max_new_tokens == 0, tuple(p.stop_token_ids), p.sampling_seed)
 
 
 class EngineService:
@@ -112,11 +114,13 @@ class EngineService:
         if p.max_new_tokens == 0:
             completions = [Completion(prompt=list(pr), finish_reason="length") for pr in prompts]
         else:
-            params = SamplingParams(temperature=p.temperature, top_p=p.top_p, max_new_tokens=p.max_new_tokens,
+            limits = [it.params.max_new_tokens for it in items]
+            params = SamplingParams(temperature=p.temperature, top_p=p.top_p, max_new_tokens=max(limits),
                                     stop_token_ids=tuple(p.stop_token_ids))
             seed = p.sampling_seed if p.sampling_seed is not None else next(self.seeds)
-            completions = self.engine.generate(prompts, params, seed=seed, record_routing=want_routing,
-                                               record_topk=want_topk, cancelled=lambda i: cancelled(items[i].rid))
+            completions = self.engine.generate_continuous(
+                prompts, params, len(prompts), seed=seed, max_new_tokens=limits, record_routing=want_routing,
+                record_topk=want_topk, cancelled=lambda i: cancelled(items[i].rid))
         teacher = [i for i, it in enumerate(items) if (it.want_logprob and it.logprob_start_len >= 0)
                    or (p.max_new_tokens == 0 and (it.want_routing or it.want_topk))]
         prompt_pass = self.prompt_pass([prompts[i] for i in teacher], p.temperature, want_routing, want_topk) \
