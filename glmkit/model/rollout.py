@@ -168,12 +168,10 @@ class RolloutEngine:
     def generate_continuous(self, prompts, params: SamplingParams, max_batch: int, seed: int = 0,
                             max_new_tokens: list | None = None, record_routing: bool = False,
                             record_topk: bool = False, cancelled=None) -> list[Completion]:
-        """Continuous batching over `max_batch` cache slots allocated once: requests join when a slot
+        """Continuous batching over `max_batch` cache slots (a SlotBatch): requests join when a slot
         frees (those joining together are prefilled together, between decode steps) and leave when
-        they finish (stop token or their length limit: `max_new_tokens[i]`, else params'). Every decode
-        step runs all slots (static shapes; a free slot computes on a dummy token and is reset when a
-        request joins it). Completions as `generate`, in the order of `prompts`; `cancelled(i)` as
-        there."""
+        they finish (stop token or their length limit: `max_new_tokens[i]`, else params').
+        Completions as `generate`, in the order of `prompts`; `cancelled(i)` as there."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("generate needs at least one prompt and every prompt needs at least one token")
         if max_batch < 1:
@@ -181,85 +179,122 @@ class RolloutEngine:
         limits = list(max_new_tokens) if max_new_tokens is not None else [params.max_new_tokens] * len(prompts)
         if len(limits) != len(prompts) or any(int(n) < 1 for n in limits):
             raise ValueError(f"max_new_tokens needs one limit >= 1 per prompt ({len(prompts)} prompts), got {limits}")
-        device = self.model.device
-        slots = min(max_batch, len(prompts))
         capacity = max(len(p) + n for p, n in zip(prompts, limits))
-        states = self._empty_states(slots, capacity)
-        lengths = torch.zeros(slots, dtype=torch.long, device=device)
-        feed = torch.zeros(slots, dtype=torch.long, device=device)
-        owner = [None] * slots  # request index per slot, None when free
-        done = [Completion(prompt=list(map(int, p)), routing={} if record_routing else None,
-                           topk={} if record_topk else None) for p in prompts]
-        wanted = {"router_experts": "routing"} if record_routing else {}
-        if record_topk:
-            wanted["indexer_topk"] = "topk"
-        generator = torch.Generator(device=device).manual_seed(seed)
-        stop = torch.tensor(params.stop_token_ids, dtype=torch.long)
-        waiting = deque(range(len(prompts)))
-
-        def take(logits, where):
-            """Sample one token for the requests in slots `where` from their logits rows."""
-            tokens, logprobs = sample(logits, params, generator)
-            tokens, logprobs = tokens.tolist(), logprobs.tolist()  # one host read per step
-            for s, token, logprob in zip(where, tokens, logprobs):
-                c = done[owner[s]]
-                c.tokens.append(token)
-                c.logprobs.append(logprob)
-                if token in stop:
-                    c.finish_reason = "stop"
-                elif cancelled is not None and cancelled(owner[s]):
-                    c.finish_reason = "abort"
-                elif len(c.tokens) < limits[owner[s]]:
-                    feed[s] = token
-                    continue
-                owner[s] = None
-
-        while waiting or any(o is not None for o in owner):
-            free = [s for s in range(slots) if owner[s] is None]
-            if free and waiting:
-                joining = [waiting.popleft() for _ in range(min(len(free), len(waiting)))]
-                into = free[:len(joining)]
-                starts = [0]
-                for i in joining:
-                    starts.append(starts[-1] + len(prompts[i]))
-
-                def prefill_record(layer, site, value, joining=joining, starts=starts):
-                    if site in wanted:
-                        for j, i in enumerate(joining):
-                            rows = value[starts[j]:starts[j + 1]].cpu()
-                            if site == "indexer_topk":
-                                rows = torch.where(rows >= 0, rows - starts[j], rows).to(torch.int32)
-                            getattr(done[i], wanted[site])[layer] = [rows]
-
-                batch, logits = self.prefill([prompts[i] for i in joining], capacity,
-                                             record=prefill_record if wanted else None)
-                for j, (s, i) in enumerate(zip(into, joining)):
-                    for slot_state, new_state in zip(states, batch.states):
-                        _copy_into_slot(slot_state, new_state, s, j)
-                    lengths[s] = len(prompts[i])
-                    owner[s] = i
-                take(logits, into)
-            fed = [s for s in range(slots) if owner[s] is not None]
-            if not fed:
-                continue
-
-            def step_record(layer, site, value, fed=fed):
-                if site in wanted:
-                    rows = value.cpu()
-                    if site == "indexer_topk":
-                        rows = rows.to(torch.int32)
-                    for s in fed:
-                        getattr(done[owner[s]], wanted[site])[layer].append(rows[s:s + 1])
-
-            batch = DecodeBatch(states, lengths)
-            logits = self.step(batch, feed, record=step_record if wanted else None)
-            active = torch.tensor([o is not None for o in owner], device=device)
-            lengths = torch.where(active, batch.lengths, 0)  # a free slot stays at position 0
-            take(logits[fed], fed)
-        for c in done:
-            for field_name in set(wanted.values()):
-                setattr(c, field_name, {layer: torch.cat(rows) for layer, rows in getattr(c, field_name).items()})
+        slots = SlotBatch(self, min(max_batch, len(prompts)), capacity, params, seed, record_routing, record_topk,
+                          cancelled)
+        waiting, done = deque(range(len(prompts))), [None] * len(prompts)
+        while waiting or slots.busy:
+            joining = [waiting.popleft() for _ in range(min(slots.free, len(waiting)))]
+            if joining:
+                slots.join([prompts[i] for i in joining], [limits[i] for i in joining], joining)
+            slots.step()
+            for i, completion in slots.finished():
+                done[i] = completion
         return done
+
+
+class SlotBatch:
+    """`slots` decode caches allocated once at `capacity` tokens each, shared by requests that come
+    and go: `join` prefills new requests into free slots (zeroed first) and samples their first token;
+    `step` advances every occupied slot by one token (all slots run: static shapes; a free slot
+    computes on a dummy token at position 0); `finished` hands back the completions that ended (stop
+    token, their own length limit, or `cancelled(tag)`). One sampling setup for all requests; the host
+    reads the sampled tokens once per step."""
+
+    def __init__(self, engine: RolloutEngine, slots: int, capacity: int, params: SamplingParams, seed: int = 0,
+                 record_routing: bool = False, record_topk: bool = False, cancelled=None):
+        device = engine.model.device
+        self.engine, self.capacity, self.params, self.cancelled = engine, capacity, params, cancelled
+        self.states = engine._empty_states(slots, capacity)
+        self.lengths = torch.zeros(slots, dtype=torch.long, device=device)
+        self.feed = torch.zeros(slots, dtype=torch.long, device=device)
+        self.owner = [None] * slots  # (tag, Completion, limit) per slot, None when free
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.stop = set(params.stop_token_ids)
+        self.wanted = {"router_experts": "routing"} if record_routing else {}
+        if record_topk:
+            self.wanted["indexer_topk"] = "topk"
+        self.record_routing, self.record_topk = record_routing, record_topk
+        self.ended = []
+
+    @property
+    def free(self) -> int:
+        return sum(o is None for o in self.owner)
+
+    @property
+    def busy(self) -> bool:
+        return any(o is not None for o in self.owner)
+
+    def join(self, prompts, limits, tags):
+        """Prefill `prompts` into free slots; each leaves after `limits[i]` tokens at the latest."""
+        into = [s for s, o in enumerate(self.owner) if o is None][:len(prompts)]
+        if len(into) < len(prompts):
+            raise ValueError(f"{len(prompts)} requests join but only {len(into)} slots are free")
+        too_long = [len(p) + n for p, n in zip(prompts, limits) if len(p) + n > self.capacity]
+        if too_long:
+            raise ValueError(f"a request needs {too_long[0]} tokens of cache; the slots hold {self.capacity}")
+        completions = [Completion(prompt=list(map(int, p)), routing={} if self.record_routing else None,
+                                  topk={} if self.record_topk else None) for p in prompts]
+        starts = torch.tensor([0, *torch.tensor([len(p) for p in prompts]).cumsum(0).tolist()]).tolist()
+
+        def record(layer, site, value):
+            if site in self.wanted:
+                for j, c in enumerate(completions):
+                    rows = value[starts[j]:starts[j + 1]].cpu()
+                    if site == "indexer_topk":  # packed ids -> positions in the request
+                        rows = torch.where(rows >= 0, rows - starts[j], rows).to(torch.int32)
+                    getattr(c, self.wanted[site])[layer] = [rows]
+
+        batch, logits = self.engine.prefill(prompts, self.capacity, record=record if self.wanted else None)
+        for j, s in enumerate(into):
+            for slot_state, new_state in zip(self.states, batch.states):
+                _copy_into_slot(slot_state, new_state, s, j)
+            self.lengths[s] = len(prompts[j])
+            self.owner[s] = (tags[j], completions[j], int(limits[j]))
+        self._take(logits, into)
+
+    @torch.no_grad()
+    def step(self):
+        fed = [s for s, o in enumerate(self.owner) if o is not None]
+        if not fed:
+            return
+
+        def record(layer, site, value):
+            if site in self.wanted:
+                rows = value.cpu()  # one device-to-host copy per layer and step
+                if site == "indexer_topk":
+                    rows = rows.to(torch.int32)
+                for s in fed:
+                    getattr(self.owner[s][1], self.wanted[site])[layer].append(rows[s:s + 1])
+
+        batch = DecodeBatch(self.states, self.lengths)
+        logits = self.engine.step(batch, self.feed, record=record if self.wanted else None)
+        occupied = torch.tensor([o is not None for o in self.owner], device=self.lengths.device)
+        self.lengths = torch.where(occupied, batch.lengths, 0)  # a free slot stays at position 0
+        self._take(logits[fed], fed)
+
+    def finished(self) -> list:
+        """(tag, Completion) of every request that ended since the last call."""
+        out, self.ended = self.ended, []
+        return out
+
+    def _take(self, logits, where):
+        tokens, logprobs = sample(logits, self.params, self.generator)
+        for s, token, logprob in zip(where, tokens.tolist(), logprobs.tolist()):
+            tag, c, limit = self.owner[s]
+            c.tokens.append(token)
+            c.logprobs.append(logprob)
+            if token in self.stop:
+                c.finish_reason = "stop"
+            elif self.cancelled is not None and self.cancelled(tag):
+                c.finish_reason = "abort"
+            elif len(c.tokens) < limit:
+                self.feed[s] = token
+                continue
+            for name in set(self.wanted.values()):
+                setattr(c, name, {layer: torch.cat(rows) for layer, rows in getattr(c, name).items()})
+            self.ended.append((tag, c))
+            self.owner[s] = None
 
 
 def _copy_into_slot(slot_state, new_state, slot: int, row: int):
