@@ -1,14 +1,22 @@
 """Run a notebook headless (papermill) and turn it into one self-contained HTML report.
 
     run_notebook("notebooks/01_layer_parity.ipynb", "reports/01", {"variant": "tiny"})
-        -> reports/01/01_layer_parity.html   (header: notebook, verdict, parameters, versions, time)
+        -> reports/01/01_layer_parity.html   (header: notebook, verdict and its reasons, parameters,
+                                              versions, time)
            reports/01/01_layer_parity.ipynb  (the executed notebook)
+
+The HTML loads nothing: no require.js, MathJax, Mermaid or widget manager from a CDN, no widget
+state, no scripts (`notebook_html`); widget views are dropped and the static PNG / HTML that
+`widgets.show` puts in the same output stays. A page that would still load or run code is refused
+(`external_resources`). Markdown math shows as its TeX source.
 
 The kernel runs with the repository root as its working directory (so `glmkit` and `widgets` import
 and relative paths in parameters resolve from there) and gets `out_dir` as a parameter. The verdict
 is read from `{out_dir}/verdict.json` or `{out_dir}/parity.json` (the first of the two this run wrote),
-"unknown" otherwise. Files are written under temporary names and renamed when complete; a notebook
-that fails leaves `{name}.failed.ipynb` (with the error in it) and no new HTML.
+"unknown" otherwise; its reasons are the file's "reasons" or, for a parity result, the first
+divergence of each comparison that failed, then its warnings. Files are written under temporary
+names and renamed when complete; a notebook that fails leaves `{name}.failed.ipynb` (with the error
+in it) and no new HTML.
 
 `add_report_command(subparsers)` adds `glmkit report NOTEBOOK [--out DIR] [-p NAME VALUE]...`.
 """
@@ -16,20 +24,38 @@ that fails leaves `{name}.failed.ipynb` (with the error in it) and no new HTML.
 from __future__ import annotations
 
 import argparse
+import copy
 import html
 import json
 import os
+import re
 import sys
 import time
 from datetime import datetime
 from pathlib import Path
 
-from glmkit.report import versions, write_atomic
+from glmkit.report import divergence_text, versions, write_atomic
+from glmkit.rl.health import UNDECIDED
 
 KERNEL = "python3"   # ipykernel's spec; jupyter_client runs it with this interpreter
 VERDICT_FILES = ("verdict.json", "parity.json")  # looked for in this order; any notebook may write either
 VERDICT_FILE = "parity.json"   # notebook 01's file (kept for callers of the old name)
-VERDICT_COLORS = {"pass": "#1b7f3b", "fail": "#b3261e"}
+VERDICT_COLORS = {"pass": "#1b7f3b", "fail": "#b3261e", UNDECIDED: "#9a6700"}   # others: grey
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+# output types the report never carries: they are code (or state for code) a browser would run
+CODE_MIMETYPES = (WIDGET_VIEW, "application/javascript", "text/javascript",
+                  "application/vnd.jupyter.widget-state+json")
+# JupyterLab's template with every block that loads code left empty: require.js, the widget manager
+# (from unpkg, at an unpinned version), MathJax and Mermaid (from cdnjs), and the outputs that run JS
+OFFLINE_TEMPLATE = "glmkit_offline.html.j2"
+OFFLINE_TEMPLATE_TEXT = """{%- extends 'index.html.j2' -%}
+{%- block html_head_js -%}{%- endblock html_head_js -%}
+{%- block jupyter_widgets -%}{%- endblock jupyter_widgets -%}
+{%- block html_head_js_mathjax -%}{%- endblock html_head_js_mathjax -%}
+{%- block html_head_js_mermaidjs -%}{%- endblock html_head_js_mermaidjs -%}
+{%- block data_javascript -%}{%- endblock data_javascript -%}
+{%- block data_widget_view -%}{%- endblock data_widget_view -%}
+"""
 
 
 def project_root(notebook: Path) -> Path:
@@ -50,8 +76,7 @@ def notebook_defaults(notebook: Path) -> dict[str, str]:
 
 def read_verdict(out_dir: Path, since: float, with_reasons: bool = False):
     """The verdict in out_dir/verdict.json or out_dir/parity.json (the first that this run, started at
-    `since`, wrote), "unknown" when neither was. With `with_reasons`: (verdict, its reasons and
-    warnings as written there)."""
+    `since`, wrote), "unknown" when neither was. With `with_reasons`: (verdict, `verdict_reasons`)."""
     for name in VERDICT_FILES:
         path = Path(out_dir) / name
         try:
@@ -59,11 +84,46 @@ def read_verdict(out_dir: Path, since: float, with_reasons: bool = False):
                 continue   # left over from an earlier run
             data = json.loads(path.read_text())
             verdict = str(data.get("verdict", "unknown"))
-            reasons = [str(r) for r in (data.get("reasons") or []) + (data.get("warnings") or [])]
-            return (verdict, reasons) if with_reasons else verdict
+            return (verdict, verdict_reasons(data)) if with_reasons else verdict
         except (OSError, json.JSONDecodeError, AttributeError, TypeError):
             continue
     return ("unknown", []) if with_reasons else "unknown"
+
+
+def verdict_reasons(data: dict) -> list[str]:
+    """Why a verdict file says what it says: its "reasons" (notebooks 02 and 03: failed rules, failed
+    health checks, too few rollouts), or for a parity result that lists none (notebook 01's
+    parity.json) the first divergence of each comparison that failed; then its warnings."""
+    if "reasons" in data:
+        reasons = [str(r) for r in data.get("reasons") or []]
+    else:
+        reasons = parity_reasons(data)
+    return reasons + [f"warning: {w}" for w in data.get("warnings") or []]
+
+
+def parity_reasons(data: dict) -> list[str]:
+    """"reference vs train: first divergence at layer 0, site attn_out (rel RMS 0.5 > threshold
+    0.0001); 52 of 52 sites diverge" for the comparison of a parity.json and for its train-vs-rollout
+    comparison ("train_rollout", notebook 01), each when it failed."""
+    reasons = []
+    extra = data.get("train_rollout") or {}
+    parts = [data] + ([extra] if extra.get("paths") != data.get("paths") else [])
+    for part in parts:
+        first = part.get("first_divergence")
+        if not isinstance(first, dict):
+            continue
+        text = (f"{' vs '.join(map(str, part.get('paths') or []))}: first divergence at "
+                f"{divergence_text(first, part.get('thresholds') or data.get('thresholds') or {})}")
+        sites = part.get("sites")
+        if sites:
+            text += f"; {sum(bool(s.get('diverged')) for s in sites)} of {len(sites)} sites diverge"
+        reasons.append(text)
+    return reasons
+
+
+def verdict_label(verdict: str) -> str:
+    """PASS / FAIL / UNKNOWN; a verdict that is a phrase ("not enough rollouts to judge") as written."""
+    return verdict if " " in verdict else verdict.upper()
 
 
 def header_html(name: str, verdict: str, parameters: dict, defaults: dict, started: float, seconds: float,
@@ -89,7 +149,8 @@ def header_html(name: str, verdict: str, parameters: dict, defaults: dict, start
     cell = "border:1px solid #ccc;padding:2px 8px;text-align:left"
     return f"""<div id="glmkit-report-header" style="font-family:sans-serif;margin:1em 2em 2em 2em">
 <h1 style="margin:0 0 .4em 0">{html.escape(name)}</h1>
-<div style="background:{color};color:#fff;padding:.5em 1em;font-size:1.3em">verdict: {html.escape(verdict.upper())}</div>
+<div style="background:{color};color:#fff;padding:.5em 1em;font-size:1.3em">\
+verdict: {html.escape(verdict_label(verdict))}</div>
 {reason_list}
 <style>#glmkit-report-header td, #glmkit-report-header th {{{cell}}}</style>
 <h3>parameters</h3>
@@ -99,18 +160,74 @@ def header_html(name: str, verdict: str, parameters: dict, defaults: dict, start
 </div>"""
 
 
+def offline_notebook(nb):
+    """A copy of an executed notebook for the report: no widget state, and each output without its
+    code representations (`CODE_MIMETYPES`); what `widgets.show` displayed keeps its static PNG or
+    HTML, and a bare widget (nothing but its text repr left) is dropped."""
+    nb = copy.deepcopy(nb)
+    nb.metadata.pop("widgets", None)
+    for cell in nb.cells:
+        if cell.get("cell_type") != "code":
+            continue
+        kept = []
+        for output in cell.get("outputs", []):
+            data = output.get("data")
+            if data is not None:
+                code = [m for m in CODE_MIMETYPES if m in data]
+                for mime in code:
+                    del data[mime]
+                if code and set(data) <= {"text/plain"}:
+                    continue
+            kept.append(output)
+        cell.outputs = kept
+    return nb
+
+
+# What a page must not hold to be self-contained: any <script> (inline or loaded), any tag that
+# loads a file (<link href>, <iframe/embed/frame src>, <object data>) other than from a data: URI,
+# a <base href>, and in its CSS (<style> blocks, style attributes) @import or a url() not data:.
+_TAGS = [
+    re.compile(r"<script\b[^>]*>", re.IGNORECASE),
+    re.compile(r"<link\b[^>]*\bhref\s*=\s*(?![\"']?data:)[^>]*>", re.IGNORECASE),
+    re.compile(r"<(?:iframe|embed|frame)\b[^>]*\bsrc\s*=\s*(?![\"']?data:)[^>]*>", re.IGNORECASE),
+    re.compile(r"<object\b[^>]*\bdata\s*=\s*(?![\"']?data:)[^>]*>", re.IGNORECASE),
+    re.compile(r"<base\b[^>]*>", re.IGNORECASE),
+]
+_CSS = re.compile(r"<style\b[^>]*>(.*?)</style>|\bstyle\s*=\s*(\"[^\"]*\"|'[^']*')", re.IGNORECASE | re.DOTALL)
+_CSS_FETCH = re.compile(r"@import\b[^;]*;?|url\(\s*[\"']?(?!data:)[^)]*\)", re.IGNORECASE)
+
+
+def external_resources(page: str) -> list[str]:
+    """The places in an HTML page that would run a script or fetch a file (an empty list: the page
+    is self-contained). Images from data: URIs, links (<a href>) and text are fine."""
+    found = [m.group(0)[:200] for pattern in _TAGS for m in pattern.finditer(page)]
+    for css in _CSS.finditer(page):
+        found += [m.group(0)[:200] for m in _CSS_FETCH.finditer(css.group(1) or css.group(2))]
+    return found
+
+
 def notebook_html(executed: Path, header: str) -> str:
-    """The executed notebook as one HTML page (outputs' images are inline data URIs), header first."""
+    """The executed notebook as one self-contained HTML page (`offline_notebook` exported with
+    JupyterLab's template less its script blocks; images inline as data URIs), header first.
+    Raises ValueError naming what would still load or run code."""
+    import jinja2
     import nbformat
     from nbconvert import HTMLExporter
 
-    exporter = HTMLExporter(template_name="lab", embed_images=True)
-    body, _ = exporter.from_notebook_node(nbformat.read(str(executed), as_version=4))
+    exporter = HTMLExporter(template_name="lab", template_file=OFFLINE_TEMPLATE, embed_images=True,
+                            extra_loaders=[jinja2.DictLoader({OFFLINE_TEMPLATE: OFFLINE_TEMPLATE_TEXT})])
+    body, _ = exporter.from_notebook_node(offline_notebook(nbformat.read(str(executed), as_version=4)))
     start = body.find("<body")
     if start < 0:
-        return header + body
-    end = body.index(">", start) + 1
-    return body[:end] + header + body[end:]
+        page = header + body
+    else:
+        end = body.index(">", start) + 1
+        page = body[:end] + header + body[end:]
+    found = external_resources(page)
+    if found:
+        raise ValueError(f"{executed}: the report would load or run code, so it is not written: "
+                         + "; ".join(found[:3]) + " (display a static image or HTML instead)")
+    return page
 
 
 def run_notebook(notebook, out_dir, parameters: dict, name: str | None = None) -> Path:
@@ -171,9 +288,9 @@ def cmd_report(args) -> int:
         for note in getattr(err, "__notes__", []):
             print(f"glmkit report: {note}", file=sys.stderr)
         return 1
-    verdict = read_verdict(out, started)
-    print(f"verdict: {verdict}\nreport: {page}")
-    return 1 if verdict == "fail" else 0
+    verdict, reasons = read_verdict(out, started, with_reasons=True)
+    print(f"verdict: {verdict}" + "".join(f"\n  - {r}" for r in reasons) + f"\nreport: {page}")
+    return 1 if verdict == "fail" else 0   # pass, unknown and "not enough rollouts to judge": 0
 
 
 def add_report_command(subparsers) -> argparse.ArgumentParser:

@@ -60,6 +60,26 @@ def _fmt(value) -> str:
     return "" if value is None else str(value)
 
 
+def _num(value) -> str:
+    return "n/a" if value is None else f"{value:.3g}"
+
+
+def divergence_text(first: dict, thresholds: dict) -> str:
+    """Where and why two paths part ways, from the first divergent site (`SiteResult.public()`, as
+    parity.json stores it) and the comparison's thresholds:
+    "layer 0, site attn_out (rel RMS 0.52 > threshold 0.0001)"."""
+    layer = "final" if first.get("layer") is None else first["layer"]
+    if first.get("kind") == "indices":
+        allowed = 1 - thresholds.get("identical", 1.0)
+        detail = (f"different rows {_num(first.get('different'))} > {allowed:.3g} allowed "
+                  f"(ties {_num(first.get('tied'))})")
+    elif first.get("nan") or first.get("inf"):
+        detail = f"NaN {first.get('nan', 0)}, Inf {first.get('inf', 0)}"
+    else:
+        detail = f"rel RMS {_num(first.get('rel_rms'))} > threshold {thresholds.get('rel_rms')}"
+    return f"layer {layer}, site {first.get('site')} ({detail})"
+
+
 def html_report(title: str, verdict: str, header: dict, sections: list[tuple[str, str]]) -> str:
     """verdict "pass"/"fail" banner, a header table (parameters, versions), then (heading, html) sections."""
     color = "#1b7f3b" if verdict == "pass" else "#b3261e"

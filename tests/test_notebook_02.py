@@ -1,17 +1,21 @@
 """Notebook 02 (smoke GRPO) headless on the tiny preset's shipped start, tokenizer and prompts: a
-3-rollout run into a self-contained HTML report, its metrics JSONL and verdict.json."""
+3-rollout run (`glmkit report`, as a user runs it) into a self-contained HTML report, its metrics
+JSONL and verdict.json: too few rollouts for the reward rule, so "not enough rollouts to judge"."""
 
 from __future__ import annotations
 
 import json
 import math
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from glmkit.notebook import read_verdict, run_notebook
-from glmkit.rl.health import HEALTHY_FULL
+from glmkit.notebook import read_verdict
+from glmkit.rl.health import HEALTHY_FULL, UNDECIDED
+from tests.test_report_offline import assert_offline
 from widgets.training import DEFAULT_METRICS
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "02_smoke_grpo.ipynb"
@@ -22,7 +26,11 @@ ROLLOUTS = 3
 @pytest.fixture(scope="module")
 def smoke_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("nb02") / "report"
-    return out, run_notebook(NOTEBOOK, out, {"num_rollout": ROLLOUTS})
+    done = subprocess.run([sys.executable, "-m", "glmkit", "report", str(NOTEBOOK), "--out", str(out),
+                           "-p", "num_rollout", str(ROLLOUTS)], capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr   # "not enough rollouts to judge" is not a failure
+    assert f"verdict: {UNDECIDED}\n  - {UNDECIDED}: {ROLLOUTS} rollouts" in done.stdout
+    return out.resolve(), out.resolve() / "02_smoke_grpo.html"
 
 
 def test_smoke_grpo_report(smoke_run):
@@ -31,12 +39,17 @@ def test_smoke_grpo_report(smoke_run):
     text = page.read_text()
     assert text.index('id="glmkit-report-header"') < text.index("<main")   # header at the very top
     verdict = json.loads((out / "verdict.json").read_text())
-    assert verdict["verdict"] in ("pass", "fail")
-    assert f"verdict: {verdict['verdict'].upper()}" in text   # the runner read verdict.json
+    assert verdict["verdict"] == UNDECIDED
+    header = text[text.index('id="glmkit-report-header"'):text.index("<h3>parameters</h3>")]
+    assert f"verdict: {UNDECIDED}</div>" in header   # the runner read verdict.json
+    assert f"<li>{UNDECIDED}: {ROLLOUTS} rollouts, too few to judge a rise" in header   # and says why
     assert read_verdict(out, 0) == verdict["verdict"]
     assert re.search(r"<td>num_rollout</td><td><code>3</code></td><td>set</td>", text)
     assert re.search(r"<td>model_name</td><td><code>&quot;tiny&quot;</code></td><td>default</td>", text)
-    assert len(INLINE_PNG.findall(text)) >= 2   # the final metrics figure and the health table
+    # each view once: the final metrics figure as a PNG, the health table as an HTML table
+    assert len(INLINE_PNG.findall(text)) == 1 and text.count("recipe health table:") == 1
+    assert len(re.findall(r"<tr class=[\"']verdict-", text)) == len(HEALTHY_FULL)
+    assert_offline(text)
     assert (out / "02_smoke_grpo.ipynb").is_file()
     assert sorted(p.name for p in out.iterdir() if p.name.startswith(".") or "failed" in p.name) == []
 
@@ -57,8 +70,10 @@ def test_smoke_grpo_metrics_and_verdict_json(smoke_run):
     assert verdict["raw_reward"] == rewards
     assert verdict["raw_reward_start"] == pytest.approx(sum(rewards) / ROLLOUTS)
     assert verdict["raw_reward_end"] == pytest.approx(sum(rewards) / ROLLOUTS)   # 3 rollouts: the same window
-    # so the reward cannot be judged to rise: a plumbing check that fails by design, saying why
-    assert verdict["verdict"] == "fail" and any("too few to judge a rise" in r for r in verdict["reasons"])
+    # so the reward cannot be judged to rise, and nothing else failed: neither pass nor fail, saying why
+    assert verdict["verdict"] == UNDECIDED and verdict["reasons"] == [
+        f"{UNDECIDED}: {ROLLOUTS} rollouts, too few to judge a rise (the first 3 and the last 5 must not "
+        "overlap; run 8 or more)"]
     assert "too few to judge a rise" in page.read_text()   # the report's header shows the reasons
     assert all(math.isfinite(m["train/grad_norm"]) for m in steps) == verdict["grad_norms_finite"]
     assert [r["metric"] for r in verdict["health"]] == list(HEALTHY_FULL)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from glmkit.notebook import run_notebook
 from glmkit.rl.loop import read_metrics
+from tests.test_report_offline import assert_offline
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "03_multinode_launch.ipynb"
 
@@ -27,5 +28,9 @@ def test_launch_notebook_end_to_end_on_a_local_ray_cluster(tmp_path):
     assert any("11 / 11 / 11 / 12" in c["detail"] for c in verdict["preflight"])
     rows = read_metrics(out / "metrics.jsonl")
     assert [r["rollout/step"] for r in rows if "rollout/raw_reward" in r] == [0, 1, 2]
-    assert len(re.findall(r'<img[^>]+src="data:image/png;base64,', text)) >= 3  # inventory, preflight, metrics
+    # each view once: the final metrics figure as a PNG, the inventory and preflight as HTML tables
+    assert len(re.findall(r'<img[^>]+src="data:image/png;base64,', text)) == 1
+    assert len(re.findall(r"cluster: \d+ of \d+ node\(s\) alive", text)) == 1
+    assert len(re.findall(r"preflight: \d+ passed, \d+ failed", text)) == 1
     assert "verdict: PASS" in text
+    assert_offline(text)

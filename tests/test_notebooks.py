@@ -11,10 +11,16 @@ import pytest
 
 from glmkit.checkpoint import synth_checkpoint
 from glmkit.notebook import main, parse_value, run_notebook
+from tests.test_report_offline import assert_offline
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 LAYER_PARITY = NOTEBOOKS / "01_layer_parity.ipynb"
 INLINE_PNG = re.compile(r'<img[^>]+src="data:image/png;base64,')
+RECIPE_METRIC = "train/train_rollout_logprob_abs_diff"
+
+
+def report_header(text: str) -> str:
+    return text[text.index('id="glmkit-report-header"'):text.index("<h3>parameters</h3>")]
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +56,15 @@ def test_layer_parity_passes_on_tiny(passing_run):
                         ("seq_len", "64"), ("out_dir", f"&quot;{out.resolve()}&quot;")):
         assert re.search(rf"<td>{name}</td><td><code>{re.escape(value)}", text), name
     assert re.search(r"torch 2\.\d+", text)
-    assert len(INLINE_PNG.findall(text)) >= 4
+    # each view once: heatmap, histogram, KDA curve, two overlaps as PNG; the two banners as HTML
+    assert len(INLINE_PNG.findall(text)) == 5
+    assert text.count("PASS: all ") == 2
+    assert_offline(text)
+    # each banner's log-prob diff says what it compares; only train vs rollout is the recipe's metric
+    assert text.count("mean |logp_reference - logp_train| = ") == 1
+    assert re.search(r"mean \|logp_reference - logp_train\| = [0-9.e+-]+</div>", text)
+    assert re.search(rf"mean \|logp_train - logp_rollout\| \(the recipe(?:'|&#x27;|&#39;)s {RECIPE_METRIC}\) = ", text)
+    assert "first divergence" not in report_header(text)   # a pass: no failure listed under the banner
     # what stays next to the report: the executed notebook, and no temporary or failure files
     assert (out / "01_layer_parity.ipynb").is_file()
     assert sorted(p.name for p in out.iterdir() if p.name.startswith(".") or "failed" in p.name) == []
@@ -66,7 +80,12 @@ def test_layer_parity_fails_against_another_checkpoint(tmp_path, capsys):
     first = data["first_divergence"]
     assert first["layer"] == 0 and first["rel_rms"] > data["thresholds"]["rel_rms"]
     text = (out / "01_layer_parity.html").read_text()
-    assert "verdict: FAIL" in text and len(INLINE_PNG.findall(text)) >= 4
+    assert "verdict: FAIL" in text and len(INLINE_PNG.findall(text)) == 5
+    # the header says why, under the banner: the first divergence of the comparison, with its threshold
+    header = report_header(text)
+    assert re.search(r"<li>reference vs train: first divergence at layer 0, site [\w.]+ \(rel RMS [0-9.e+-]+ &gt; "
+                     r"threshold 0\.0001\); \d+ of \d+ sites diverge</li>", header), header
+    assert_offline(text)
 
 
 def small_notebook(path: Path, body: str) -> Path:

@@ -1,19 +1,23 @@
-"""The GRPO views (widgets.training) on synthetic metric dicts: no training needed."""
+"""The GRPO views (widgets.training) and the run verdict (glmkit.rl.health) on synthetic metric dicts:
+no training needed."""
 
 from __future__ import annotations
 
 import base64
+import io
 import json
 import math
 
 import ipywidgets as W
 import pytest
-from matplotlib.colors import to_hex
+from matplotlib.text import Text
+from PIL import Image
 
-from glmkit.rl.health import HEALTHY_FULL, verdicts
+from glmkit.rl.health import HEALTHY_FULL, RISE_FIRST, RISE_LAST, UNDECIDED, run_verdict, verdicts
 from widgets import HealthTable, LiveMetrics, figure_png, show
-from widgets.training import (DEFAULT_METRICS, HEALTHY_GID, HEALTHY_LABEL, SERIES_GID, VERDICT_BACKGROUNDS, VERDICT_COLORS,
-                              healthy_band)
+from widgets.parity import FIGURE_DPI, MAX_WIDTH_PX, MIN_FONT_PT, WIDGET_VIEW
+from widgets.training import (DEFAULT_METRICS, HEALTHY_GID, HEALTHY_LABEL, LIVE_DPI, SERIES_GID, VERDICT_BACKGROUNDS,
+                              VERDICT_COLORS, healthy_band)
 
 
 def synthetic(step: int, **overrides) -> dict:
@@ -180,16 +184,43 @@ def test_from_jsonl_round_trip(tmp_path):
     assert len(view.figure().axes) == len(DEFAULT_METRICS)
 
 
-def test_show_displays_png_then_widget(monkeypatch):
+def test_show_displays_each_view_once_widget_and_static_together(monkeypatch):
+    """The metrics: one output with the widget view and the figure as PNG; refresh() redraws that same
+    output after a live run. The health table: the widget view and the table as HTML, no image."""
     shown = []
-    monkeypatch.setattr("IPython.display.display", lambda obj: shown.append(obj))
+    monkeypatch.setattr("IPython.display.display", lambda *objs, **kw: shown.append((objs, kw)))
     view = LiveMetrics()
+    handle = show(view)
     view.extend(history(2))
-    show(view)
+    handle.refresh()
     table = HealthTable(verdicts(history(2), "tiny"))
     show(table)
-    assert [type(o).__name__ for o in shown] == ["Image", "VBox", "Image", "HTML"]
-    assert shown[0].data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [len(objs) for objs, _ in shown] == [1, 1, 1]
+    (first,), kw = shown[0]
+    (final,), update = shown[1]
+    assert not kw.get("update") and update["update"] and update["display_id"] == kw["display_id"]
+    for bundle in (first, final):
+        assert set(bundle) == {WIDGET_VIEW, "image/png", "text/plain"}
+        assert bundle[WIDGET_VIEW]["model_id"] == view.widget.model_id
+    assert "no rollouts yet" in first["text/plain"] and "2 rollouts" in final["text/plain"]
+    assert base64.b64decode(final["image/png"]) != base64.b64decode(first["image/png"])
+    (bundle,), _ = shown[2]
+    assert set(bundle) == {WIDGET_VIEW, "text/html", "text/plain"} and bundle["text/html"] == table.html
+    assert bundle[WIDGET_VIEW]["model_id"] == table.widget.model_id
+
+
+def test_metrics_figure_is_readable_at_its_rendered_size():
+    """10 small multiples: the PNG at most MAX_WIDTH_PX wide (shown unscaled) and every label at least
+    MIN_FONT_PT (12.5 px at FIGURE_DPI), also with non-finite marks and n/a titles."""
+    view = LiveMetrics(variant="tiny")
+    view.extend(history(12) + [synthetic(12, **{"train/grad_norm": math.nan})])
+    for fig in (view.figure(), LiveMetrics().figure()):
+        width, _ = Image.open(io.BytesIO(figure_png(fig))).size
+        assert width <= MAX_WIDTH_PX
+        texts = [t for t in fig.findobj(Text) if t.get_visible() and t.get_text().strip()]
+        assert len(texts) > 40
+        assert [(t.get_text(), t.get_fontsize()) for t in texts if t.get_fontsize() < MIN_FONT_PT] == []
+    assert LIVE_DPI == FIGURE_DPI   # the live widget's PNG is drawn at the same size
 
 
 # ---------------------------------------------------------------- health table
@@ -229,27 +260,49 @@ def test_health_table_escapes_and_handles_unobserved():
     assert "&lt;m&gt;" in text and "a &amp; b" in text and "—" in text
 
 
-def test_health_table_figure_colours_each_row_by_verdict():
-    rows = rows_of_every_kind()
-    fig = HealthTable(rows).figure()
-    (ax,) = fig.axes
-    (table,) = ax.tables
-    cells = table.get_celld()
-    columns = HealthTable.COLUMNS
-    assert [cells[0, c].get_text().get_text() for c in range(len(columns))] == list(columns)
-    for i, r in enumerate(rows, start=1):
-        verdict_cell = cells[i, columns.index("verdict")]
-        assert verdict_cell.get_text().get_text() == r["verdict"]
-        assert to_hex(verdict_cell.get_text().get_color()) == VERDICT_COLORS[r["verdict"]]
-        for c in range(len(columns)):
-            assert to_hex(cells[i, c].get_facecolor()) == VERDICT_BACKGROUNDS[r["verdict"]]
-        assert cells[i, 0].get_text().get_text().replace("\n", "") == r["metric"]
-    figure_png(fig)
-    assert HealthTable([]).figure().axes[0].texts[0].get_text() == "no health rows"
-
-
 def test_health_table_on_tiny_marks_the_recipe_numbers_not_applicable():
     rows = verdicts(history(12), "tiny")
     table = HealthTable(rows)
     assert {r["metric"]: r["verdict"] for r in rows}["train/grad_norm"] == "not applicable"
     assert table.html.count(f"background:{VERDICT_BACKGROUNDS['not applicable']}") == 3
+
+
+# ---------------------------------------------------------------- run verdict
+
+def run_rows(rewards, grad_norm=0.4, logprob_diff=1e-6, skipped_at=None) -> list[dict]:
+    """Metric rows as GRPOTrainer.run writes them: per rollout two optimizer-step rows, then the rollout row."""
+    rows = []
+    for r, reward in enumerate(rewards):
+        for k in range(2):
+            step = 2 * r + k
+            skipped = step == skipped_at
+            rows.append({"train/step": step, "train/grad_norm": None if skipped else grad_norm,
+                         "train/step_skipped": skipped, "train/train_rollout_logprob_abs_diff": logprob_diff,
+                         **({"nonfinite": ["train/grad_norm"]} if skipped else {})})
+        rows.append({"rollout/step": r, "rollout/raw_reward": reward})
+    return rows
+
+
+def test_run_verdict_too_few_rollouts_is_not_enough_to_judge():
+    result = run_verdict(run_rows([0.1, 0.2, 0.3]), "tiny")
+    assert result["verdict"] == UNDECIDED == "not enough rollouts to judge"
+    (reason,) = result["reasons"]
+    assert reason.startswith("not enough rollouts to judge: 3 rollouts") and f"run {RISE_FIRST + RISE_LAST}" in reason
+    assert run_verdict(run_rows([0.1] * 7), "tiny")["verdict"] == UNDECIDED
+
+
+def test_run_verdict_short_runs_still_fail_on_what_they_can_judge():
+    nan = run_verdict(run_rows([0.1, 0.2, 0.3], skipped_at=1), "tiny")
+    assert nan["verdict"] == "fail" and "1 optimizer step(s) had a NaN / Inf" in nan["reasons"][0]
+    assert any(r.startswith("not enough rollouts to judge") for r in nan["reasons"])   # said too
+    far = run_verdict(run_rows([0.1, 0.2, 0.3], logprob_diff=0.5), "tiny")   # applies on tiny
+    assert far["verdict"] == "fail"
+    assert any("train/train_rollout_logprob_abs_diff outside the recipe's range" in r for r in far["reasons"])
+    assert run_verdict([], "tiny")["verdict"] == "fail"   # no optimizer step
+
+
+def test_run_verdict_judges_the_rise_from_eight_rollouts():
+    rising = run_verdict(run_rows([0.1] * 3 + [0.5] * 5), "tiny")
+    assert rising["verdict"] == "pass" and rising["reasons"] == []
+    flat = run_verdict(run_rows([0.5] * 3 + [0.1] * 5), "tiny")
+    assert flat["verdict"] == "fail" and flat["reasons"][0].startswith("raw reward did not rise")

@@ -3,6 +3,9 @@ synthesised tiny checkpoint, and a failing one against a checkpoint synthesised 
 
 from __future__ import annotations
 
+import base64
+import io
+import math
 import re
 from pathlib import Path
 
@@ -10,11 +13,15 @@ import ipywidgets as W
 import pytest
 import torch
 from matplotlib.patches import Rectangle
+from matplotlib.text import Text
+from PIL import Image
 
 from glmkit.checkpoint import synth_checkpoint
 from glmkit.model import load_model
 from glmkit.parity.builtin import index_agreement, kda_error_vs_position, parity
 from widgets import KdaErrorCurve, LogprobHistogram, SiteHeatmap, TopkOverlap, VerdictBanner, show
+from widgets.parity import (FIGURE_DPI, MAX_WIDTH_PX, MIN_FONT_PT, NOT_COMPARED_COLOR, THRESHOLD_GID, WIDGET_VIEW,
+                            figure_png, static_bundle)
 
 PATHS = ("train", "rollout")
 
@@ -31,6 +38,13 @@ def passing(checkpoints):
     result, cap_a, _ = parity(checkpoints[0], PATHS, seq_len=40, batch=2)
     assert result.verdict == "pass"
     return result, cap_a
+
+
+@pytest.fixture(scope="module")
+def reference_vs_train(checkpoints):
+    result, _, _ = parity(checkpoints[0], ("reference", "train"), seq_len=40, batch=2)
+    assert result.verdict == "pass" and result.logprob is not None
+    return result
 
 
 @pytest.fixture(scope="module")
@@ -139,18 +153,96 @@ def test_verdict_banner(passing, failing):
     assert bad.text.startswith(f"FAIL: first divergence at layer {first.layer}, site {first.site}")
     assert f"threshold {failing[0].thresholds['rel_rms']}" in bad.text
     assert "#b3261e" in bad.widget.value and first.site in bad.widget.value
-    assert len(bad.figure().axes) == 1
 
 
-def test_show_displays_picture_then_widget(passing, monkeypatch):
+def test_logprob_diffs_are_labelled_with_what_they_compare(passing, reference_vs_train):
+    """Only train vs rollout is the recipe's train/train_rollout_logprob_abs_diff; a reference-vs-train
+    number says reference and train, in the banner, the histogram's summary and its figure."""
+    recipe = "train/train_rollout_logprob_abs_diff"
+    ref = VerdictBanner(reference_vs_train)
+    line = next(l for l in ref.details if "logp" in l)
+    assert line.startswith("mean |logp_reference - logp_train| = ") and recipe not in ref.text + ref.html
+    assert f"{reference_vs_train.logprob.value:.3e}" in line
+    hist = LogprobHistogram(reference_vs_train)
+    assert recipe not in hist.summary_html() and "logp_reference - logp_train" in hist.summary_html()
+    legend = hist.figure().axes[0].get_legend().get_texts()[0].get_text()
+    assert "logp_reference - logp_train" in legend and recipe not in legend
+    ok = VerdictBanner(passing[0])
+    line = next(l for l in ok.details if "logp" in l)
+    assert line.startswith(f"mean |logp_train - logp_rollout| (the recipe's {recipe}) = ")
+    assert recipe in LogprobHistogram(passing[0]).summary_html()
+
+
+def test_show_displays_one_output_with_the_widget_and_its_static_rendering(passing, monkeypatch):
+    """One display per view: a mimebundle whose widget view a live frontend draws (its renderer outranks
+    image/png and text/html) and whose PNG / HTML a headless run and its report keep."""
     import IPython.display
 
     shown = []
-    monkeypatch.setattr(IPython.display, "display", lambda obj: shown.append(obj))
-    view = VerdictBanner(passing[0])
-    show(view)
-    assert isinstance(shown[0], IPython.display.Image) and shown[0].data[:8] == b"\x89PNG\r\n\x1a\n"
-    assert shown[1] is view.widget
+    monkeypatch.setattr(IPython.display, "display", lambda *objs, **kw: shown.append((objs, kw)))
+    banner = VerdictBanner(passing[0])
+    handle = show(banner)
+    (bundle,), kw = shown[0]
+    assert len(shown) == 1 and kw["raw"] and kw["display_id"] == handle.display_id
+    assert bundle[WIDGET_VIEW]["model_id"] == banner.widget.model_id
+    assert bundle["text/html"] == banner.html and "image/png" not in bundle   # a banner is text: HTML
+    assert bundle["text/plain"].startswith("PASS")
+    heatmap = SiteHeatmap(passing[0])
+    show(heatmap)
+    (bundle,), _ = shown[1]
+    assert base64.b64decode(bundle["image/png"])[:8] == b"\x89PNG\r\n\x1a\n" and "text/html" not in bundle
+    assert bundle[WIDGET_VIEW]["model_id"] == heatmap.widget.model_id
+    handle.refresh()   # replaces the same output
+    (bundle,), kw = shown[2]
+    assert kw["update"] and kw["display_id"] == handle.display_id and bundle["text/html"] == banner.html
+
+
+def heatmap_legend(fig) -> list[str]:
+    return [t.get_text() for legend in fig.legends for t in legend.get_texts()]
+
+
+def test_heatmap_colour_bar_marks_the_thresholds_and_grey_has_a_legend(failing):
+    result, cap = failing
+    view = SiteHeatmap(result, cap.lengths)
+    fig = view.figure()
+    heat, colorbar = fig.axes
+    marks = sorted(line.get_ydata()[0] for line in colorbar.lines if line.get_gid() == THRESHOLD_GID)
+    allowed = 1 - result.thresholds["identical"]
+    assert marks == pytest.approx(sorted([math.log10(result.thresholds["rel_rms"]), math.log10(allowed)]))
+    labels = heatmap_legend(fig)
+    assert any(l.startswith("not compared") for l in labels)
+    assert f"value sites: rel RMS threshold {result.thresholds['rel_rms']:g} (colour bar)" in labels
+    assert f"index sites: {allowed:.3g} of rows different allowed (colour bar)" in labels
+    grey = next(h for h in fig.legends[0].legend_handles if h.get_label().startswith("not compared"))
+    assert grey.get_facecolor()[:3] == pytest.approx(heat.images[0].get_cmap().get_bad()[:3])
+    assert heat.images[0].get_cmap().get_bad()[:3] == pytest.approx(tuple(int(NOT_COMPARED_COLOR[i:i + 2], 16) / 255
+                                                                         for i in (1, 3, 5)))
+    assert math.isnan(view.grid()[view.site_names.index("indexer_topk"), view.layers.index(0)])  # a grey cell
+
+
+def readable(fig):
+    """Every text of a figure at least MIN_FONT_PT and its PNG at most MAX_WIDTH_PX wide, so shown
+    unscaled in an output area or a report column its letters are >= 12 px (about 9 pt)."""
+    png = figure_png(fig)
+    width, _ = Image.open(io.BytesIO(png)).size
+    assert width <= MAX_WIDTH_PX, width
+    texts = [t for t in fig.findobj(Text) if t.get_visible() and t.get_text().strip()]
+    assert len(texts) > 5
+    small = [(t.get_text(), t.get_fontsize()) for t in texts if t.get_fontsize() < MIN_FONT_PT]
+    assert small == []
+    assert MIN_FONT_PT * FIGURE_DPI / 72 >= 12
+
+
+def test_figures_are_readable_at_their_rendered_size(passing, failing, checkpoints):
+    result, cap = failing
+    heatmap = SiteHeatmap(result, cap.lengths)
+    readable(heatmap.figure())
+    readable(heatmap.position_figure(result.sites[3]))
+    readable(LogprobHistogram(result).figure())
+    readable(TopkOverlap(index_agreement(result, "indexer_topk"), "indexer_topk", 0.99).figure())
+    model = load_model(checkpoints[0], torch.float32)
+    readable(KdaErrorCurve(kda_error_vs_position(model, list(range(3, 3 + 80)))).figure())
+    assert set(static_bundle(VerdictBanner(passing[0]))) == {"text/html", "text/plain"}
 
 
 def test_glmkit_never_imports_widgets():

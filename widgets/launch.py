@@ -1,12 +1,11 @@
-"""Views of a launch: the cluster inventory and the preflight checks, as an HTML table (the widget)
-and the same table as a figure (what `show` puts in a report)."""
+"""Views of a launch: the cluster inventory and the preflight checks, each an HTML table (the widget,
+and the static rendering that `show` puts beside it for a headless run and its report)."""
 
 from __future__ import annotations
 
 import html
 
 import ipywidgets as W
-from matplotlib.figure import Figure
 
 PASS, FAIL = "#e6f4ea", "#fce8e6"
 
@@ -42,26 +41,6 @@ class _Table:
 
     def _repr_html_(self) -> str:
         return self.html
-
-    def figure(self) -> Figure:
-        import textwrap
-
-        cells = [["\n".join(textwrap.wrap(self.cell(r, c), 70)) or " " for c in self.columns] for r in self.rows] \
-            or [["(none)"] + [""] * (len(self.columns) - 1)]
-        lines = [max(v.count("\n") + 1 for v in row) for row in cells]
-        fig = Figure(figsize=(15, 0.6 + 0.28 * (sum(lines) + 1)))
-        ax = fig.add_subplot()
-        ax.axis("off")
-        colors = [[self.background(r)] * len(self.columns) for r in self.rows] or [["#ffffff"] * len(self.columns)]
-        table = ax.table(cellText=cells, colLabels=list(self.columns), cellColours=colors,
-                         colColours=["#f4f4f4"] * len(self.columns), cellLoc="left", loc="upper center")
-        table.auto_set_font_size(False)
-        table.set_fontsize(8)
-        total = sum(lines) + 1
-        for (row, _), cell in table.get_celld().items():
-            cell.set_height((1 if row == 0 else lines[row - 1]) / total * 0.95)
-        ax.set_title(self.text, fontsize=10, loc="left")
-        return fig
 
 
 class InventoryTable(_Table):

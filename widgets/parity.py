@@ -1,11 +1,16 @@
 """ipywidgets views over a `glmkit.parity.compare.ParityResult`.
 
-Every view has `.widget` (interactive, for a live notebook) and `.figure()` (a matplotlib Figure,
-the static rendering). `show(view)` displays both, so a headless papermill run converted to HTML
-still carries the picture even though the widget cannot render there.
+Every view has `.widget` (interactive, for a live notebook) and a static rendering: `.figure()` (a
+matplotlib Figure) for the plots, `.html` for the banner and the tables. `show(view)` displays the two
+as ONE output whose mimebundle holds the widget view and the static rendering beside it: a live
+frontend (JupyterLab, Notebook 7, VS Code) draws the widget (its renderer outranks every static
+type), and a headless run keeps the PNG / HTML, which is what `glmkit report` exports (it drops the
+widget views and the notebook's widget state, so the report loads no code).
 
 Figures are built with `matplotlib.figure.Figure`, not pyplot, so the inline backend never shows
-them a second time and they are freed with the view.
+them a second time and they are freed with the view. They are drawn at most `MAX_WIDTH_PX` wide
+with text of at least `MIN_FONT_PT`, so a report column or an output area shows them unscaled and
+readable.
 """
 
 from __future__ import annotations
@@ -14,26 +19,38 @@ import base64
 import html
 import io
 import math
+import uuid
 
 import ipywidgets as W
 import numpy as np
 from matplotlib import colormaps
 from matplotlib.colors import Normalize, to_hex
 from matplotlib.figure import Figure
-from matplotlib.patches import Rectangle
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch, Rectangle
 
 from glmkit.model.sites import FINAL, PER_LAYER
+from glmkit.report import divergence_text
 
 FLOOR = 1e-10   # log scales start here; an exact match (error 0) is drawn at the floor
 KDA_CHUNK = 64  # the torch KDA kernel's chunk size: errors can step at these boundaries
 PASS_COLOR, FAIL_COLOR = "#1b7f3b", "#b3261e"
+NOT_COMPARED_COLOR = "#dddddd"
+THRESHOLD_GID = "threshold"
 
 
 # ---------------------------------------------------------------- shared helpers
 
+FIGURE_DPI = 100
+MAX_WIDTH_PX = 1000   # an output area / report column shows a PNG this wide at its own size
+MAX_WIDTH_IN = MAX_WIDTH_PX / FIGURE_DPI
+MIN_FONT_PT = 9       # at FIGURE_DPI and unscaled: 12.5 px, about 9.4 pt on a 96 dpi screen
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+
+
 def figure_png(fig: Figure) -> bytes:
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
+    fig.savefig(buf, format="png", dpi=FIGURE_DPI, bbox_inches="tight")
     return buf.getvalue()
 
 
@@ -48,13 +65,46 @@ def show_in(output: W.Output, fig: Figure, caption: str = ""):
     output.outputs = (png_output(fig, caption or "figure"),)
 
 
-def show(view):
-    """Display the static PNG (survives nbconvert) and then the interactive widget."""
-    from IPython.display import Image, display
+def static_bundle(view) -> dict:
+    """The view's static rendering as a mimebundle: its HTML when it is a banner or a table (`.html`),
+    else its figure as a PNG; text/plain holds its one-line summary."""
+    text = getattr(view, "text", None) or type(view).__name__
+    if isinstance(getattr(view, "html", None), str):
+        return {"text/html": view.html, "text/plain": text}
+    return {"image/png": base64.b64encode(figure_png(view.figure())).decode(), "text/plain": text}
 
-    alt = getattr(view, "text", None) or type(view).__name__  # the banner's alt text is its verdict
-    display(Image(data=figure_png(view.figure()), alt=alt))
-    display(view.widget)
+
+def mimebundle(view) -> dict:
+    """One output for a view: the widget view (what a live frontend draws) and the static rendering
+    (what a frontend without the widget, nbconvert and the report show)."""
+    bundle = static_bundle(view)
+    bundle[WIDGET_VIEW] = view.widget._repr_mimebundle_()[WIDGET_VIEW]
+    return bundle
+
+
+class Shown:
+    """What `show` displayed: `refresh()` replaces that same output with the view's current state,
+    e.g. after a live run, so the static rendering a report keeps is the final one."""
+
+    def __init__(self, view):
+        self.view = view
+        self.display_id = uuid.uuid4().hex
+        self._display(update=False)
+
+    def _display(self, update: bool):
+        from IPython.display import display
+
+        kwargs = {"update": True} if update else {}
+        display(mimebundle(self.view), raw=True, display_id=self.display_id, **kwargs)
+
+    def refresh(self):
+        self._display(update=True)
+
+
+def show(view) -> Shown:
+    """Display a view once: the widget in a live notebook, its static figure (or HTML table) in a
+    headless run and its report. -> a handle whose `refresh()` redraws the output in place."""
+    return Shown(view)
 
 
 def layer_label(layer) -> str:
@@ -91,11 +141,22 @@ def describe_site(s) -> str:
     return text
 
 
+def logprob_label(result) -> str:
+    """What a result's log-prob diff compares: "mean |logp_train - logp_rollout| (the recipe's
+    train/train_rollout_logprob_abs_diff)" for train vs rollout; for any other pair only the pair, so a
+    reference-vs-train number is never taken for the recipe's metric."""
+    a, b = result.path_a, result.path_b
+    label = f"mean |logp_{a} - logp_{b}|"
+    if {a, b} == {"train", "rollout"}:
+        label += " (the recipe's train/train_rollout_logprob_abs_diff)"
+    return label
+
+
 def _message_figure(text: str) -> Figure:
     fig = Figure(figsize=(6, 1.2))
     ax = fig.add_subplot()
     ax.axis("off")
-    ax.text(0.5, 0.5, text, ha="center", va="center")
+    ax.text(0.5, 0.5, text, ha="center", va="center", fontsize=11)
     return fig
 
 
@@ -118,7 +179,7 @@ class SiteHeatmap:
         values = [log_error(site_error(s)) for s in result.sites]
         finite = [v for v in values if math.isfinite(v)]
         self.norm = Normalize(vmin=math.log10(FLOOR), vmax=max([0.0] + [math.ceil(v) for v in finite]))
-        self.cmap = colormaps[cmap].with_extremes(bad="#dddddd")
+        self.cmap = colormaps[cmap].with_extremes(bad=NOT_COMPARED_COLOR)
         self.output = W.Output()
         self.buttons = {}
         self.widget = self._build()
@@ -130,14 +191,29 @@ class SiteHeatmap:
             out[self.site_names.index(site), self.layers.index(layer)] = log_error(site_error(s))
         return out
 
+    def thresholds(self) -> list[tuple[float, str, str]]:
+        """(log10 value, label, line style) of each threshold on the colour scale: the value sites'
+        rel RMS, and the index sites' fraction of different rows allowed (when the grid has index sites)."""
+        marks = []
+        limits = self.result.thresholds
+        if limits.get("rel_rms"):
+            marks.append((log_error(limits["rel_rms"]), f"value sites: rel RMS threshold {limits['rel_rms']:g}", "-"))
+        if "identical" in limits and any(s.kind == "indices" for s in self.result.sites):
+            allowed = 1 - limits["identical"]
+            marks.append((log_error(allowed), f"index sites: {allowed:.3g} of rows different allowed", "--"))
+        return marks
+
     def figure(self) -> Figure:
         grid = self.grid()
-        fig = Figure(figsize=(max(5.0, 1.6 + 0.45 * len(self.layers)), 1.2 + 0.32 * len(self.site_names)))
+        many = len(self.layers) > 24
+        width = min(MAX_WIDTH_IN, max(6.5, 3.2 + 0.45 * len(self.layers)))
+        fig = Figure(figsize=(width, 2.6 + 0.34 * len(self.site_names)), layout="constrained")
         ax = fig.add_subplot()
         image = ax.imshow(np.ma.masked_invalid(grid), cmap=self.cmap, norm=self.norm, aspect="auto")
-        ax.set_xticks(range(len(self.layers)), [layer_label(l) for l in self.layers])
+        ax.set_xticks(range(len(self.layers)), [layer_label(l) for l in self.layers], rotation=90 if many else 0)
         ax.set_yticks(range(len(self.site_names)), self.site_names)
-        ax.set_xlabel("layer")
+        ax.tick_params(labelsize=MIN_FONT_PT)
+        ax.set_xlabel("layer", fontsize=10)
         for (layer, site), s in self.cells.items():
             if s.diverged:
                 x, y = self.layers.index(layer), self.site_names.index(site)
@@ -145,10 +221,21 @@ class SiteHeatmap:
         first = self.result.first_divergence
         if first is not None:
             ax.text(self.layers.index(first.layer), self.site_names.index(first.site), "1st", ha="center",
-                    va="center", color="red", fontsize=8, fontweight="bold")
-        ax.set_title(f"{self.result.path_a} vs {self.result.path_b}: log10 error per site "
-                     f"(index sites: rows different other than by ties)", fontsize=10)
-        fig.colorbar(image, ax=ax, label="log10 rel RMS (index sites: different rows)")
+                    va="center", color="red", fontsize=MIN_FONT_PT, fontweight="bold")
+        ax.set_title(f"{self.result.path_a} vs {self.result.path_b}: log10 error per site\n"
+                     f"(index sites: fraction of rows different other than by ties)", fontsize=11)
+        colorbar = fig.colorbar(image, ax=ax)
+        colorbar.set_label("log10 error", fontsize=10)
+        colorbar.ax.tick_params(labelsize=MIN_FONT_PT)
+        handles = [Patch(facecolor=NOT_COMPARED_COLOR, edgecolor="#999999",
+                         label="not compared (no such site at this layer)"),
+                   Patch(fill=False, edgecolor="red", linewidth=2.5, label="over its threshold"),
+                   Line2D([], [], linestyle="none", marker="$1st$", markersize=16, color="red",
+                          label="first divergence")]
+        for value, label, style in self.thresholds():
+            colorbar.ax.axhline(value, color="red", linestyle=style, linewidth=2, gid=THRESHOLD_GID)
+            handles.append(Line2D([], [], color="red", linestyle=style, linewidth=2, label=f"{label} (colour bar)"))
+        fig.legend(handles=handles, loc="outside lower center", ncols=2, fontsize=MIN_FONT_PT, frameon=False)
         return fig
 
     def _cell_button(self, layer, site) -> W.Widget:
@@ -157,7 +244,7 @@ class SiteHeatmap:
         if s is None:
             return W.Box(layout=size)
         value = log_error(site_error(s))
-        color = to_hex(self.cmap(self.norm(value))) if math.isfinite(value) else "#dddddd"
+        color = to_hex(self.cmap(self.norm(value))) if math.isfinite(value) else NOT_COMPARED_COLOR
         first = s is self.result.first_divergence
         button = W.Button(description="1st" if first else "", tooltip=describe_site(s), layout=size)
         button.style.button_color = color
@@ -176,12 +263,13 @@ class SiteHeatmap:
         for site in self.site_names:
             rows.append(W.HBox([W.Label(site, layout=label)] + [self._cell_button(l, site) for l in self.layers]))
         hint = W.HTML("<i>Click a cell to plot that site's error per token position; hover for its value. "
-                      "Red border: over threshold; 1st: the first divergence.</i>")
+                      "Red border: over threshold; 1st: the first divergence; grey: not compared (no such site at "
+                      "this layer).</i>")
         return W.VBox([hint, W.VBox(rows), self.output])
 
     def position_figure(self, s) -> Figure:
         """One site's per-row error against token position (one line per sequence when lengths are known)."""
-        fig = Figure(figsize=(7, 3))
+        fig = Figure(figsize=(8, 3.4), layout="constrained")
         ax = fig.add_subplot()
         per_row = np.asarray(s.per_row, dtype=float)
         if s.kind == "values":
@@ -194,13 +282,15 @@ class SiteHeatmap:
             for n, length in enumerate(self.lengths):
                 ax.plot(range(length), per_row[start:start + length], label=f"sequence {n}", linewidth=1)
                 start += length
-            ax.set_xlabel("position in sequence")
+            ax.set_xlabel("position in sequence", fontsize=10)
         else:
             ax.plot(per_row, linewidth=1)
-            ax.set_xlabel("token row (packed)")
-        ax.set_ylabel("rel error of row" if s.kind == "values" else "1 - Jaccard of row")
-        ax.set_title(describe_site(s), fontsize=9)
-        ax.legend(fontsize=7)
+            ax.set_xlabel("token row (packed)", fontsize=10)
+        ax.set_ylabel("rel error of row" if s.kind == "values" else "1 - Jaccard of row", fontsize=10)
+        ax.tick_params(labelsize=MIN_FONT_PT)
+        ax.set_title(describe_site(s), fontsize=10, wrap=True)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=MIN_FONT_PT)
         return fig
 
     def select(self, s):
@@ -210,8 +300,9 @@ class SiteHeatmap:
 # ---------------------------------------------------------------- log-prob histogram
 
 class LogprobHistogram:
-    """Per-token |logp_a - logp_b| on a log axis, the recipe's train/train_rollout_logprob_abs_diff
-    (mean over samples of each sample's mean) marked, and the worst tokens listed."""
+    """Per-token |logp_a - logp_b| on a log axis, their mean over samples of each sample's mean marked
+    (for train vs rollout, the recipe's train/train_rollout_logprob_abs_diff: `logprob_label`), and
+    the worst tokens listed."""
 
     def __init__(self, result, bins: int = 30, worst: int = 8):
         self.result, self.diff, self.worst = result, result.logprob, worst
@@ -229,10 +320,17 @@ class LogprobHistogram:
             return "<b>No log-probs in these captures.</b>"
         rows = "".join(f"<tr><td>{w['sequence']}</td><td>{w['position']}</td><td>{w['a']:.6g}</td>"
                        f"<td>{w['b']:.6g}</td><td>{w['abs_diff']:.3g}</td></tr>" for w in self.diff.worst[:self.worst])
-        return (f"<b>train/train_rollout_logprob_abs_diff = {self.diff.value:.3e}</b> "
-                f"({self.result.path_a} vs {self.result.path_b}, {len(self.diff.per_token)} tokens)"
+        return (f"<b>{html.escape(logprob_label(self.result))} = {self.diff.value:.3e}</b> "
+                f"({html.escape(self.result.path_a)} vs {html.escape(self.result.path_b)}, "
+                f"{len(self.diff.per_token)} tokens)"
                 f"<table><tr><th>sequence</th><th>position</th><th>logp a</th><th>logp b</th><th>|diff|</th></tr>"
                 f"{rows}</table>")
+
+    @property
+    def text(self) -> str:
+        if self.diff is None:
+            return "no log-probs in these captures"
+        return f"{logprob_label(self.result)} = {self.diff.value:.3e} over {len(self.diff.per_token)} tokens"
 
     def figure(self, bins: int | None = None) -> Figure:
         if self.diff is None or not self.diff.per_token:
@@ -244,24 +342,30 @@ class LogprobHistogram:
         low, high = clipped.min(), clipped.max()
         if high <= low * 1.0001:  # all one value: give the bins some width
             low, high = low / 10, high * 10
-        fig = Figure(figsize=(10, 3.6))
+        a, b = self.result.path_a, self.result.path_b
+        fig = Figure(figsize=(MAX_WIDTH_IN - 0.6, 4.2), layout="constrained")   # the table overhangs a little
         hist, table = fig.subplots(1, 2, gridspec_kw={"width_ratios": [3, 2]})
         hist.hist(clipped, bins=np.logspace(math.log10(low), math.log10(high * 1.001), bins + 1))
         hist.set_xscale("log")
         hist.axvline(max(self.diff.value, FLOOR), color="red", linestyle="--",
-                     label=f"metric {self.diff.value:.2e}")
-        hist.set_xlabel("|logp_a - logp_b| per token" + (f" ({exact} exactly 0, drawn at {FLOOR:g})" if exact else ""))
-        hist.set_ylabel("tokens")
-        hist.set_title(f"{self.result.path_a} vs {self.result.path_b}: {len(values)} response tokens", fontsize=10)
-        hist.legend(fontsize=8)
+                     label=f"{logprob_label(self.result)}\n= {self.diff.value:.2e}")
+        zeros = f"\n({exact} exactly 0, drawn at {FLOOR:g})" if exact else ""
+        hist.set_xlabel(f"|logp_{a} - logp_{b}| per token{zeros}", fontsize=10)
+        hist.set_ylabel("tokens", fontsize=10)
+        hist.tick_params(which="both", labelsize=MIN_FONT_PT)
+        hist.tick_params(axis="x", which="both", labelrotation=40)   # 3x10^-1 labels would overlap
+        hist.set_title(f"{a} vs {b}: {len(values)} response tokens", fontsize=11)
+        hist.legend(fontsize=MIN_FONT_PT, loc="upper center", bbox_to_anchor=(0.5, -0.3), frameon=False)
         table.axis("off")
         rows = [[w["sequence"], w["position"], f"{w['a']:.5g}", f"{w['b']:.5g}", f"{w['abs_diff']:.2e}"]
                 for w in self.diff.worst[:self.worst]]
         if rows:
-            t = table.table(cellText=rows, colLabels=["seq", "pos", "logp a", "logp b", "|diff|"], loc="center")
+            t = table.table(cellText=rows, colLabels=["seq", "pos", f"logp {a}", f"logp {b}", "|diff|"], loc="center")
             t.auto_set_font_size(False)
-            t.set_fontsize(8)
-        table.set_title("worst tokens", fontsize=10)
+            t.set_fontsize(MIN_FONT_PT)
+            t.auto_set_column_width(range(5))
+            t.scale(1, 1.3)
+        table.set_title("worst tokens", fontsize=11)
         return fig
 
 
@@ -287,11 +391,16 @@ class KdaErrorCurve:
     def redraw(self):
         show_in(self.output, self.figure(self.shown_layers()), "KDA error vs position")
 
+    @property
+    def text(self) -> str:
+        worst = ", ".join(f"layer {layer} {max(curve):.2e}" for layer, curve in self.curves.items() if len(curve))
+        return f"KDA chunked vs recurrent, max rel error: {worst or 'no KDA layers'}"
+
     def figure(self, layers=None) -> Figure:
         if not self.curves:
             return _message_figure("no KDA layers")
         layers = list(self.curves) if layers is None else layers
-        fig = Figure(figsize=(8, 3.4))
+        fig = Figure(figsize=(8.5, 3.8), layout="constrained")
         ax = fig.add_subplot()
         length = max(len(v) for v in self.curves.values())
         for boundary in range(self.chunk, length, self.chunk):
@@ -300,11 +409,12 @@ class KdaErrorCurve:
             ax.plot(np.maximum(np.asarray(self.curves[layer], dtype=float), FLOOR), linewidth=1,
                     label=f"layer {layer}")
         ax.set_yscale("log")
-        ax.set_xlabel(f"position (dotted: chunk boundaries every {self.chunk})")
-        ax.set_ylabel("rel error, chunked vs recurrent")
-        ax.set_title("KDA: chunked (train / prefill) vs recurrent (decode) per position", fontsize=10)
+        ax.set_xlabel(f"position (dotted: chunk boundaries every {self.chunk})", fontsize=10)
+        ax.set_ylabel("rel error, chunked vs recurrent", fontsize=10)
+        ax.tick_params(labelsize=MIN_FONT_PT)
+        ax.set_title("KDA: chunked (train / prefill) vs recurrent (decode) per position", fontsize=11)
         if layers:
-            ax.legend(fontsize=8)
+            fig.legend(fontsize=MIN_FONT_PT, loc="outside right upper")
         return fig
 
 
@@ -331,11 +441,16 @@ class TopkOverlap:
         metrics = self.METRICS if self.choice.value == "all" else (self.choice.value,)
         show_in(self.output, self.figure(metrics), f"{self.site} overlap")
 
+    @property
+    def text(self) -> str:
+        return f"{self.site}: set overlap per layer, " + ", ".join(
+            f"layer {layer} different {_fmt(v.get('different'))}" for layer, v in self.agreement.items())
+
     def figure(self, metrics=METRICS) -> Figure:
         if not self.agreement:
             return _message_figure(f"no layers with {self.site}")
         layers = list(self.agreement)
-        fig = Figure(figsize=(max(4.0, 1.5 + 0.6 * len(layers)), 3.2))
+        fig = Figure(figsize=(min(MAX_WIDTH_IN, max(6.5, 4.0 + 0.6 * len(layers))), 3.4), layout="constrained")
         ax = fig.add_subplot()
         width = 0.8 / len(metrics)
         x = np.arange(len(layers))
@@ -344,12 +459,14 @@ class TopkOverlap:
             ax.bar(x + (i - (len(metrics) - 1) / 2) * width, heights, width, label=self.LABELS[metric])
         if self.identical_needed is not None and "different" in metrics:
             ax.axhline(1 - self.identical_needed, color="red", linestyle="--", linewidth=1, label="different allowed")
-        ax.set_xticks(x, [str(l) for l in layers])
+        ax.set_xticks(x, [str(l) for l in layers], rotation=90 if len(layers) > 24 else 0)
         ax.set_xlim(-1, len(layers))  # keeps a single layer's bars from filling the plot
-        ax.set_xlabel("layer")
+        ax.set_xlabel("layer", fontsize=10)
+        ax.set_ylabel("fraction of rows", fontsize=10)
+        ax.tick_params(labelsize=MIN_FONT_PT)
         ax.set_ylim(0, 1.05)
-        ax.set_title(f"{self.site}: set overlap per layer", fontsize=10)
-        ax.legend(fontsize=8, loc="lower right")
+        ax.set_title(f"{self.site}: set overlap per layer", fontsize=11)
+        fig.legend(fontsize=MIN_FONT_PT, loc="outside right upper")
         return fig
 
 
@@ -378,15 +495,8 @@ class VerdictBanner:
         first = r.first_divergence
         if first is None:
             return f"PASS: all {len(r.sites)} sites within thresholds"
-        if first.kind == "indices":
-            allowed = 1 - r.thresholds.get("identical", 1.0)
-            detail = f"different rows {_fmt(first.different)} > {allowed:.3g} allowed (ties {_fmt(first.tied)})"
-        elif first.nan or first.inf:
-            detail = f"NaN {first.nan}, Inf {first.inf}"
-        else:
-            detail = f"rel RMS {_fmt(first.rel_rms)} > threshold {r.thresholds.get('rel_rms')}"
         count = sum(s.diverged for s in r.sites)
-        return (f"FAIL: first divergence at layer {layer_label(first.layer)}, site {first.site} ({detail}); "
+        return (f"FAIL: first divergence at {divergence_text(first.public(), r.thresholds)}; "
                 f"{count} of {len(r.sites)} sites diverge")
 
     @property
@@ -394,7 +504,7 @@ class VerdictBanner:
         r = self.result
         lines = [f"{r.path_a} vs {r.path_b}, {r.dtype}, {mode_text(r.mode)}"]
         if r.logprob is not None:
-            lines.append(f"train/train_rollout_logprob_abs_diff = {r.logprob.value:.3e}")
+            lines.append(f"{logprob_label(r)} = {r.logprob.value:.3e}")
         if getattr(r, "topk_replay", None):
             lines.append(f"top-k replay: {r.topk_replay}")
         lines.extend(f"warning: {w}" for w in getattr(r, "warnings", []))
@@ -407,19 +517,9 @@ class VerdictBanner:
     @property
     def html(self) -> str:
         color = PASS_COLOR if self.passed else FAIL_COLOR
-        details = "".join(f"<div style='font-size:0.8em'>{html.escape(line)}</div>" for line in self.details)
+        details = "".join(f"<div style='font-size:0.9em'>{html.escape(line)}</div>" for line in self.details)
         return (f"<div style='background:{color};color:white;padding:0.6em 1em;border-radius:4px'>"
                 f"<div style='font-size:1.2em;font-weight:bold'>{html.escape(self.headline)}</div>{details}</div>")
 
     def _repr_html_(self) -> str:
         return self.html
-
-    def figure(self) -> Figure:
-        fig = Figure(figsize=(10, 0.5 + 0.3 * len(self.details)))
-        fig.patch.set_facecolor(PASS_COLOR if self.passed else FAIL_COLOR)
-        ax = fig.add_subplot()
-        ax.axis("off")
-        ax.text(0.0, 1.0, self.headline, color="white", fontsize=12, fontweight="bold", va="top",
-                transform=ax.transAxes)
-        ax.text(0.0, 0.45, "\n".join(self.details), color="white", fontsize=9, va="top", transform=ax.transAxes)
-        return fig

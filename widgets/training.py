@@ -5,10 +5,11 @@
   recipe's framework logs them), `rollout/*` and `perf/*` against the rollout. `view.update(metrics)` adds a point and redraws the
   widget in place, so `trainer.run(on_metrics=view.update)` animates it in a live notebook;
   `LiveMetrics.from_jsonl(path)` replays a metrics file.
-- `HealthTable`: the rows of `glmkit.rl.health.verdicts`, coloured per verdict.
+- `HealthTable`: the rows of `glmkit.rl.health.verdicts`, coloured per verdict, as an HTML table.
 
-As in `widgets.parity`, each view has `.widget` (for a live notebook) and `.figure()` (the static
-matplotlib rendering that `show(view)` puts in front of the widget, so HTML reports keep it).
+As in `widgets.parity`, each view has `.widget` (for a live notebook) and a static rendering
+(`LiveMetrics.figure()`, `HealthTable.html`) that `show(view)` puts in the same output as the
+widget: a live frontend draws the widget, a headless run and its HTML report the static one.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import html
 import io
 import json
 import math
-import textwrap
 
 import ipywidgets as W
 import numpy as np
@@ -27,7 +27,7 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
 from glmkit.rl.health import HEALTHY_FULL, NOT_APPLICABLE
-from widgets.parity import _message_figure
+from widgets.parity import FIGURE_DPI, MAX_WIDTH_IN, MIN_FONT_PT, _message_figure
 
 # The recipe's metrics, in the order the small multiples show them.
 DEFAULT_METRICS = (
@@ -48,7 +48,7 @@ HEALTHY_LABEL = "recipe's healthy range (full model)"
 HEALTHY_GID, SERIES_GID = "healthy-range", "metric-series"
 HEALTHY_COLOR, NOT_APPLICABLE_ALPHA, APPLICABLE_ALPHA = "#2e9d4f", 0.08, 0.18
 LINE_COLOR, BAD_COLOR = "#1f5fa8", "#b3261e"
-LIVE_DPI = 90   # the live widget's PNG, redrawn after every rollout
+LIVE_DPI = FIGURE_DPI   # the live widget's PNG, redrawn after every rollout: the report's size, unscaled
 
 VERDICT_COLORS = {"within range": "#1b7f3b", "outside": "#b3261e", "not applicable": "#8a8a8a"}
 VERDICT_BACKGROUNDS = {"within range": "#d8efdf", "outside": "#f6d6d3", "not applicable": "#ececec"}
@@ -107,7 +107,7 @@ class LiveMetrics:
         carry over, the band is drawn fainter and the axis title says "n/a on {variant}".
     """
 
-    def __init__(self, metric_names=None, healthy=HEALTHY_FULL, variant: str = "tiny", columns: int = 5):
+    def __init__(self, metric_names=None, healthy=HEALTHY_FULL, variant: str = "tiny", columns: int = 3):
         self.metric_names = list(DEFAULT_METRICS if metric_names is None else metric_names)
         self.healthy = dict(healthy or {})
         self.variant = variant
@@ -193,14 +193,17 @@ class LiveMetrics:
                                          "text/plain": f"GRPO metrics: {self.text}"}},)
 
     def figure(self) -> Figure:
+        """The small multiples, `MAX_WIDTH_IN` wide (an output area shows them unscaled), every label
+        at least `MIN_FONT_PT`."""
         if not self.metric_names:
             return _message_figure("no metrics chosen")
         rows = math.ceil(len(self.metric_names) / self.columns)
-        height = 2.7 * rows + 1.0
-        fig = Figure(figsize=(3.4 * self.columns, height))
+        top, bottom = 0.75, 0.85   # inches: the title above, the legend below
+        height = 2.5 * rows + top + bottom
+        fig = Figure(figsize=(MAX_WIDTH_IN, height))
         # a fixed layout: constrained layout would triple the time of every live redraw
-        fig.subplots_adjust(left=0.05, right=0.99, top=1 - 0.95 / height, bottom=0.75 / height,
-                            wspace=0.32, hspace=0.5)
+        fig.subplots_adjust(left=0.075, right=0.985, top=1 - top / height, bottom=bottom / height,
+                            wspace=0.38, hspace=0.75)
         drawn = set()   # "applicable" / "not applicable": which kinds of band were shaded
         for i, name in enumerate(self.metric_names):
             ax = fig.add_subplot(rows, self.columns, i + 1)
@@ -208,28 +211,31 @@ class LiveMetrics:
             drawn.add(self._draw_band(ax, name))
             finite = np.isfinite(values)
             if finite.any():
-                ax.plot(steps, values, color=LINE_COLOR, linewidth=1.2, marker="o", markersize=3, gid=SERIES_GID)
+                ax.plot(steps, values, color=LINE_COLOR, linewidth=1.4, marker="o", markersize=3.5, gid=SERIES_GID)
                 if name in LOG_METRICS and (values[finite] > 0).all():
                     ax.set_yscale("log")
-            title = name
+            notes = []
             if len(bad_x):  # NaN / Inf measured (not merely missing): red marks along the bottom
                 ax.plot(bad_x, np.zeros(len(bad_x)), linestyle="none", marker="x", color=BAD_COLOR,
                         transform=ax.get_xaxis_transform(), clip_on=False)
-                title += f"\n{len(bad_x)} non-finite"
+                notes.append(f"{len(bad_x)} non-finite")
             if self.not_applicable(name) and name in self.healthy:
-                title += f"\n(range n/a on {self.variant})"
+                notes.append(f"range n/a on {self.variant}")
             if not len(self.history):
                 ax.text(0.5, 0.5, "no rollouts yet", ha="center", va="center", transform=ax.transAxes,
-                        color="grey", fontsize=8)
+                        color="grey", fontsize=MIN_FONT_PT)
             elif not finite.any() and not len(bad_x):
                 ax.text(0.5, 0.5, "not measured", ha="center", va="center", transform=ax.transAxes,
-                        color="grey", fontsize=8)
-            ax.set_title(title, fontsize=8)
-            ax.tick_params(labelsize=7)
-            ax.yaxis.get_offset_text().set_fontsize(7)
+                        color="grey", fontsize=MIN_FONT_PT)
+            ax.set_title(name + (f"\n({', '.join(notes)})" if notes else ""), fontsize=MIN_FONT_PT + 0.5)
+            ax.tick_params(which="both", labelsize=MIN_FONT_PT)
+            ax.yaxis.get_offset_text().set_fontsize(MIN_FONT_PT)
+            ax.xaxis.get_offset_text().set_fontsize(MIN_FONT_PT)
             per_step = any(h.get("train/step") is not None and name in h for h in self.history)
-            ax.set_xlabel("optimizer step" if per_step else "rollout", fontsize=7)
-            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+            ax.set_xlabel("optimizer step" if per_step else "rollout", fontsize=MIN_FONT_PT)
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True, nbins=5))
+            if ax.get_yscale() == "linear":
+                ax.yaxis.set_major_locator(MaxNLocator(nbins=4))
             xs = np.concatenate([steps, bad_x])
             if len(xs):
                 ax.set_xlim(float(xs.min()) - 0.5, float(xs.max()) + 0.5)
@@ -238,8 +244,9 @@ class LiveMetrics:
             handles.append(Patch(color=HEALTHY_COLOR, alpha=NOT_APPLICABLE_ALPHA, linewidth=0,
                                  label=f"{HEALTHY_LABEL}, not applicable on {self.variant}"))
         if drawn - {None}:
-            fig.legend(handles=handles, loc="lower center", ncols=len(handles), fontsize=8, frameon=False)
-        fig.suptitle(f"GRPO run ({self.variant}): {self.rollouts} rollouts", fontsize=10)
+            fig.legend(handles=handles, loc="lower center", ncols=len(handles), fontsize=MIN_FONT_PT + 1,
+                       frameon=False)
+        fig.suptitle(f"GRPO run ({self.variant}): {self.rollouts} rollouts", fontsize=12)
         return fig
 
     def _draw_band(self, ax, name) -> str | None:
@@ -317,32 +324,3 @@ class HealthTable:
 
     def _repr_html_(self) -> str:
         return self.html
-
-    def figure(self) -> Figure:
-        if not self.rows:
-            return _message_figure("no health rows")
-        widths = {"metric": 40, "why": 48}
-        wrapped = [[_wrap(self.cell(r, c), widths.get(c, 32)) for c in self.COLUMNS] for r in self.rows]
-        lines = [max(cell.count("\n") + 1 for cell in row) for row in wrapped]
-        fig = Figure(figsize=(15, 0.6 + 0.28 * (sum(lines) + 1)))
-        ax = fig.add_subplot()
-        ax.axis("off")
-        colors = [[self.background(str(r.get("verdict")))] * len(self.COLUMNS) for r in self.rows]
-        table = ax.table(cellText=wrapped, colLabels=list(self.COLUMNS), cellColours=colors,
-                         colColours=["#f4f4f4"] * len(self.COLUMNS), cellLoc="left", loc="upper center",
-                         colWidths=[0.25, 0.17, 0.17, 0.1, 0.31])
-        table.auto_set_font_size(False)
-        table.set_fontsize(8)
-        total = sum(lines) + 1
-        for (row, col), cell in table.get_celld().items():
-            height = 1 if row == 0 else lines[row - 1]
-            cell.set_height(height / total * 0.95)
-            if row > 0 and col == self.COLUMNS.index("verdict"):
-                cell.get_text().set_color(self.color(str(self.rows[row - 1].get("verdict"))))
-                cell.get_text().set_fontweight("bold")
-        ax.set_title(self.text, fontsize=10, loc="left")
-        return fig
-
-
-def _wrap(text: str, width: int) -> str:
-    return "\n".join(textwrap.wrap(text, width)) or text

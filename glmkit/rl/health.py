@@ -87,13 +87,18 @@ def format_table(rows: list[dict]) -> str:
 # What "the reward rose" means for a run's verdict: the mean of the last RISE_LAST rollouts above the
 # mean of the first RISE_FIRST (the two windows must not overlap, so a run needs 8 or more rollouts).
 RISE_FIRST, RISE_LAST = 3, 5
+# The verdict of a run too short for that rule in which nothing else failed: neither pass nor fail.
+UNDECIDED = "not enough rollouts to judge"
+VERDICTS = ("pass", "fail", UNDECIDED)
 
 
 def run_verdict(history: list[dict], variant: str) -> dict:
     """The verdict of a GRPO run with its reasons, from its metric rows (train and rollout rows mixed,
     as `GRPOTrainer.run` writes them): "pass" when every optimizer step's loss and gradient norm were
     finite, the raw reward rose (mean of the last 5 rollouts above the mean of the first 3; 8 or more
-    rollouts), and no metric of the recipe's table that applies to `variant` is outside its range.
+    rollouts), and no metric of the recipe's table that applies to `variant` is outside its range;
+    "fail" when any of these is broken; `UNDECIDED` ("not enough rollouts to judge") when the run has
+    too few rollouts to judge the rise and nothing else failed (a smoke run of a few rollouts).
     -> {"verdict", "reasons": [...], "raw_reward_start", "raw_reward_end", "raw_reward",
         "grad_norms_finite", "skipped_steps", "health": verdicts(...)}"""
     rewards = [h["rollout/raw_reward"] for h in history if h.get("rollout/raw_reward") is not None]
@@ -106,20 +111,23 @@ def run_verdict(history: list[dict], variant: str) -> dict:
     start = sum(first) / len(first) if first else math.nan
     end = sum(last) / len(last) if last else math.nan
     health = verdicts(history, variant)
-    reasons = []
+    failed = []   # reasons that fail the run whatever its length
     if not steps:
-        reasons.append("no optimizer step was taken")
+        failed.append("no optimizer step was taken")
     elif not finite:
-        reasons.append(f"{skipped} optimizer step(s) had a NaN / Inf loss or gradient norm and were skipped")
-    if len(rewards) < RISE_FIRST + RISE_LAST:
-        reasons.append(f"{len(rewards)} rollouts: too few to judge a rise (the first {RISE_FIRST} and the last "
-                       f"{RISE_LAST} must not overlap; run {RISE_FIRST + RISE_LAST} or more)")
-    elif not end > start:
-        reasons.append(f"raw reward did not rise: mean of the first {RISE_FIRST} {start:.3f}, "
-                       f"of the last {RISE_LAST} {end:.3f}")
+        failed.append(f"{skipped} optimizer step(s) had a NaN / Inf loss or gradient norm and were skipped")
+    too_few = len(rewards) < RISE_FIRST + RISE_LAST
+    if not too_few and not end > start:
+        failed.append(f"raw reward did not rise: mean of the first {RISE_FIRST} {start:.3f}, "
+                      f"of the last {RISE_LAST} {end:.3f}")
     for row in health:
         if row["verdict"] == "outside":
-            reasons.append(f"{row['metric']} outside the recipe's range {row['expected']}: {row['why']}")
-    return {"verdict": "fail" if reasons else "pass", "reasons": reasons, "raw_reward_start": start,
+            failed.append(f"{row['metric']} outside the recipe's range {row['expected']}: {row['why']}")
+    reasons = list(failed)
+    if too_few:
+        reasons.append(f"{UNDECIDED}: {len(rewards)} rollouts, too few to judge a rise (the first {RISE_FIRST} "
+                       f"and the last {RISE_LAST} must not overlap; run {RISE_FIRST + RISE_LAST} or more)")
+    verdict = "fail" if failed else UNDECIDED if too_few else "pass"
+    return {"verdict": verdict, "reasons": reasons, "raw_reward_start": start,
             "raw_reward_end": end, "raw_reward": rewards, "grad_norms_finite": finite, "skipped_steps": skipped,
             "health": health}

@@ -1,0 +1,204 @@
+"""`glmkit report` writes a page that loads nothing: no require.js / MathJax / widget manager from a
+CDN, no widget state, no scripts; each view shown once (its widget in a live notebook, its static
+figure or table in the report). Run as a user runs it: `python -m glmkit report` in a subprocess, on
+small notebooks that use the real views (no model needed)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from glmkit.notebook import external_resources, parity_reasons, verdict_reasons
+from glmkit.rl.health import UNDECIDED
+
+ROOT = Path(__file__).resolve().parents[1]
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
+INLINE_PNG = re.compile(r'<img[^>]+src="data:image/png;base64,([^"]+)"')
+# what a page must not contain to open offline (the issue's list)
+EXTERNAL_SCRIPT = re.compile(r"<script\b[^>]*\bsrc\s*=\s*[\"']?(?:https?:)?//", re.IGNORECASE)
+EXTERNAL_LINK = re.compile(r"<link\b[^>]*\bhref\s*=\s*[\"']?(?:https?:)?//", re.IGNORECASE)
+CDN_WORDS = ("require.js", "require.min.js", "requirejs", "mathjax", "cdnjs", "unpkg", "jsdelivr",
+             "@jupyter-widgets/html-manager", "embed-amd")
+
+VIEWS = """\
+import ipywidgets as W
+from IPython.display import display
+from glmkit.rl.health import run_verdict
+from widgets import HealthTable, LiveMetrics, show
+
+rows = []
+for r in range(rollouts):
+    rows += [{"train/step": 2 * r + k, "train/grad_norm": 0.4, "train/step_skipped": False,
+              "train/train_rollout_logprob_abs_diff": 1e-6} for k in range(2)]
+    rows.append({"rollout/step": r, "rollout/raw_reward": 0.1 * r})
+view = LiveMetrics(variant="tiny")
+shown = show(view)          # the live view, as notebooks 02 and 03 do
+view.extend(rows)
+shown.refresh()             # final
+show(HealthTable(run_verdict(rows, "tiny")["health"]))
+display(W.IntSlider(description="bare"))   # a widget with no static form
+"""
+
+
+def views_cell(executed):
+    return next(c for c in executed.cells if c.cell_type == "code" and "shown = show(view)" in c.source)
+
+
+def notebook(path: Path, *cells: str, markdown: str = "# Views\n\nMath stays TeX: $x^2$.") -> Path:
+    nb = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_code_cell("out_dir = None\nrollouts = 4", metadata={"tags": ["parameters"]}),
+        nbformat.v4.new_markdown_cell(markdown),
+        *(nbformat.v4.new_code_cell(c) for c in cells)])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, str(path))
+    return path
+
+
+def glmkit_report(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "glmkit", "report", *map(str, args)], capture_output=True,
+                          text=True, timeout=600, cwd=ROOT)
+
+
+def assert_offline(text: str):
+    """The issue's checks on a written report."""
+    assert EXTERNAL_SCRIPT.findall(text) == [] and EXTERNAL_LINK.findall(text) == []
+    lowered = text.lower()
+    assert [w for w in CDN_WORDS if w in lowered] == []
+    assert "<script" not in lowered                           # no code at all, inline or loaded
+    assert WIDGET_VIEW not in text and WIDGET_STATE not in text
+    assert external_resources(text) == []
+
+
+@pytest.fixture(scope="module")
+def views_report(tmp_path_factory):
+    root = tmp_path_factory.mktemp("offline")
+    out = root / "report"
+    done = glmkit_report(notebook(root / "views.ipynb", VIEWS), "--out", out)
+    assert done.returncode == 0, done.stderr
+    return out, done
+
+
+def test_report_loads_no_code(views_report):
+    out, done = views_report
+    assert "verdict: unknown" in done.stdout
+    text = (out / "views.html").read_text()
+    assert_offline(text)
+    assert "$x^2$" in text                                     # markdown math left as its source
+    assert 'id="glmkit-report-header"' in text
+
+
+def test_each_view_is_in_the_report_once_as_its_static_rendering(views_report):
+    out, _ = views_report
+    text = (out / "views.html").read_text()
+    pngs = INLINE_PNG.findall(text)
+    assert len(pngs) == 1                                      # the metrics figure, once
+    executed = nbformat.read(str(out / "views.ipynb"), as_version=4)
+    metrics, table, bare = views_cell(executed).outputs
+    assert pngs[0] == metrics["data"]["image/png"]             # the refreshed (final) figure
+    assert "(4 rollouts)" in metrics["data"]["text/plain"]
+    assert text.count("recipe health table:") == 1             # the health table, once, as a table
+    assert len(re.findall(r"<tr class=[\"']verdict-", text)) == 4 and "<code>train/grad_norm</code>" in text
+    assert "IntSlider(value=0" not in text                    # a bare widget leaves nothing behind
+
+
+def test_executed_notebook_keeps_one_output_per_view_for_a_live_frontend(views_report):
+    """What JupyterLab draws: each view is ONE output holding the widget view (whose renderer outranks
+    image/png and text/html) with its model in the notebook's widget state, the static form beside it."""
+    out, _ = views_report
+    executed = nbformat.read(str(out / "views.ipynb"), as_version=4)
+    state = executed.metadata["widgets"][WIDGET_STATE]["state"]
+    metrics, table, bare = views_cell(executed).outputs
+    assert set(metrics["data"]) == {WIDGET_VIEW, "image/png", "text/plain"}
+    assert set(table["data"]) == {WIDGET_VIEW, "text/html", "text/plain"}
+    for output in (metrics, table, bare):
+        assert output["data"][WIDGET_VIEW]["model_id"] in state
+
+
+def test_a_notebook_whose_output_loads_code_gets_no_report(tmp_path):
+    page = notebook(tmp_path / "cdn.ipynb", "from IPython.display import HTML, display\n"
+                    "display(HTML('<script src=\"https://cdn.example.org/chart.js\"></script><b>chart</b>'))")
+    out = tmp_path / "report"
+    done = glmkit_report(page, "--out", out)
+    assert done.returncode == 2
+    assert "would load or run code" in done.stderr and "cdn.example.org" in done.stderr
+    assert not (out / "cdn.html").exists() and (out / "cdn.ipynb").is_file()
+
+
+def test_a_javascript_output_is_dropped_not_run(tmp_path):
+    page = notebook(tmp_path / "js.ipynb", "from IPython.display import Javascript, display\n"
+                    "display(Javascript('document.body.innerHTML = \"gone\"'))\nprint('kept')")
+    out = tmp_path / "report"
+    done = glmkit_report(page, "--out", out)
+    assert done.returncode == 0, done.stderr
+    text = (out / "js.html").read_text()
+    assert_offline(text)
+    assert "kept" in text and 'data-mime-type="application/javascript"' not in text
+
+
+@pytest.mark.parametrize("snippet", [
+    '<script src="https://cdnjs.cloudflare.com/ajax/libs/require.js/2.1.10/require.min.js"></script>',
+    "<script src='//unpkg.com/@jupyter-widgets/html-manager@*/dist/embed-amd.js'></script>",
+    '<script type="text/javascript">var a = 1;</script>',
+    '<script type="module">import("https://example.org/m.js")</script>',
+    '<link rel="stylesheet" href="https://example.org/a.css">',
+    '<link rel="preload" href="./local.woff2">',
+    '<style>@import url("theme.css");</style>',
+    '<style>body { background: url(https://example.org/bg.png) }</style>',
+    '<div style="background-image: url(\'//example.org/bg.png\')">x</div>',
+    '<iframe src="https://example.org"></iframe>',
+    '<base href="https://example.org/">',
+])
+def test_external_resource_rule_flags_what_would_load_or_run(snippet):
+    assert external_resources(f"<html><head></head><body>{snippet}</body></html>")
+
+
+def test_external_resource_rule_leaves_inline_content_alone():
+    page = ('<html><head><style>/* see https://github.com/x/y */ .a { background: url(data:image/png;base64,AAAA) }'
+            '</style></head><body><img src="data:image/png;base64,iVBORw0KGgo="><a href="https://example.org">a '
+            'link</a><link rel="icon" href="data:image/png;base64,AAAA"><pre>url(https://in.text) is text</pre>'
+            '<div style="background:#1b7f3b">banner</div></body></html>')
+    assert external_resources(page) == []
+    assert external_resources(page.replace("#1b7f3b", "url(bg.png)")) == ["url(bg.png)"]
+
+
+def test_header_shows_the_reasons_and_a_third_verdict(tmp_path):
+    body = ("import json, os\n"
+            f"json.dump({{'verdict': {UNDECIDED!r}, 'reasons': ['3 rollouts, the rule needs 8'],\n"
+            "           'warnings': ['tiny preset']}, open(os.path.join(out_dir, 'verdict.json'), 'w'))")
+    out = tmp_path / "report"
+    done = glmkit_report(notebook(tmp_path / "judge.ipynb", body), "--out", out)
+    assert done.returncode == 0, done.stderr   # neither pass nor fail: not a failure
+    assert f"verdict: {UNDECIDED}\n  - 3 rollouts, the rule needs 8\n  - warning: tiny preset" in done.stdout
+    text = (out / "judge.html").read_text()
+    header = text[text.index('id="glmkit-report-header"'):text.index("<h3>parameters</h3>")]
+    assert f"verdict: {UNDECIDED}</div>" in header and "#9a6700" in header
+    assert re.search(r'class="glmkit-verdict-reasons"><li>3 rollouts, the rule needs 8</li>'
+                     r"<li>warning: tiny preset</li></ul>", header)
+
+
+def test_parity_verdicts_give_the_first_divergence_of_each_failed_comparison():
+    first = {"layer": 0, "site": "attn_out", "kind": "values", "rel_rms": 0.52, "nan": 0, "inf": 0}
+    topk = {"layer": 3, "site": "indexer_topk", "kind": "indices", "different": 0.25, "tied": 0.05}
+    data = {"verdict": "fail", "paths": ["reference", "train"], "thresholds": {"rel_rms": 1e-4, "identical": 0.99},
+            "first_divergence": first, "sites": [{"diverged": True}, {"diverged": False}],
+            "train_rollout": {"verdict": "fail", "paths": ["train", "rollout"], "first_divergence": topk,
+                              "thresholds": {"rel_rms": 1e-4, "identical": 0.99}},
+            "warnings": ["ties seen"]}
+    assert verdict_reasons(data) == [
+        "reference vs train: first divergence at layer 0, site attn_out (rel RMS 0.52 > threshold 0.0001); "
+        "1 of 2 sites diverge",
+        "train vs rollout: first divergence at layer 3, site indexer_topk (different rows 0.25 > 0.01 allowed "
+        "(ties 0.05))",
+        "warning: ties seen"]
+    same = dict(data, paths=["train", "rollout"], train_rollout=dict(data["train_rollout"], first_divergence=first))
+    assert len(parity_reasons(same)) == 1            # train vs rollout was the comparison itself
+    assert parity_reasons({"verdict": "pass", "first_divergence": None, "train_rollout": {}}) == []
+    assert verdict_reasons({"verdict": "fail", "reasons": ["x"]}) == ["x"]
+    assert json.loads(json.dumps(data)) == data      # as parity.json stores it
