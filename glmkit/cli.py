@@ -1,6 +1,7 @@
 """`glmkit` command line: argument parsing and calls into the library, nothing else.
 
-Exit codes: 0 success / verdict pass, 1 verdict fail, 2 bad input (one-line reason on stderr).
+Exit codes: 0 success / verdict pass, 1 verdict fail, 2 bad input (the reason on stderr: one line naming the
+file, tensor or flag, then any detail lines the library gave, at most MAX_ERROR_LINES).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from pathlib import Path
 
 DTYPES = {"float32": "float32", "bfloat16": "bfloat16"}
 DEVICES = ["cpu", "cuda"]
+MAX_ERROR_LINES = 14  # a checkpoint error lists 10 tensors, a header and a count; longer reasons are cut
 
 
 def _backends(args):
@@ -49,7 +51,11 @@ def _dtype(name: str):
 
 def cmd_check(args) -> int:
     from glmkit import check
+    from glmkit.outputs import check_dir_out
 
+    check_dir_out(args.out, "--out", whole=False)  # the report is written into it, after minutes of work
+    if args.decode_steps < 2:  # the decode comparison feeds steps 2.. of the greedy rollout
+        raise ValueError(f"--decode-steps must be >= 2, got {args.decode_steps}")
     settings = check.CheckSettings(checkpoint=Path(args.checkpoint) if args.checkpoint else None,
                                    variant=args.variant, seed=args.seed, decode_steps=args.decode_steps,
                                    dtype=_dtype(args.dtype), device=args.device, backends=_backends(args))
@@ -89,24 +95,40 @@ def _parity_table(result) -> str:
 
 
 def _thresholds(items) -> dict:
+    import math
+
     out = {}
     for item in items or []:
         key, _, value = item.partition("=")
         if key not in ("rel_rms", "identical") or not value:
             raise ValueError(f"--threshold {item!r}: expected rel_rms=FLOAT or identical=FLOAT")
-        out[key] = float(value)
+        try:
+            number = float(value)
+        except ValueError:
+            raise ValueError(f"--threshold {item!r}: {value!r} is not a number") from None
+        if not math.isfinite(number) or number < 0 or (key == "identical" and number > 1):
+            allowed = "a fraction in 0..1" if key == "identical" else "a finite number >= 0"
+            raise ValueError(f"--threshold {item!r}: {key} must be {allowed}")
+        out[key] = number
     return out
 
 
 def cmd_parity(args) -> int:
     import json
 
+    from glmkit.outputs import check_dir_out, check_file_out
     from glmkit.parity.builtin import parity
     from glmkit.report import write_atomic
 
     paths = [p.strip() for p in args.paths.split(",") if p.strip()]
     if len(paths) != 2:
         raise ValueError(f"--paths takes two paths separated by a comma, got {args.paths!r}")
+    thresholds = _thresholds(args.threshold)
+    # outputs are checked before the comparison runs, not after it
+    if args.json:
+        check_file_out(args.json, "--json")
+    if args.save_captures:
+        check_dir_out(args.save_captures, "--save-captures", whole=False)
     replay_from = None
     if args.replay_topk_from:
         from glmkit.checkpoint import open_checkpoint
@@ -114,7 +136,7 @@ def cmd_parity(args) -> int:
 
         replay_from = read_selections(args.replay_topk_from, open_checkpoint(args.checkpoint).config)
     result, cap_a, cap_b = parity(args.checkpoint, paths, args.checkpoint_b, args.seq_len, args.batch, args.dtype,
-                                  args.device, _backends(args), args.streaming, _thresholds(args.threshold),
+                                  args.device, _backends(args), args.streaming, thresholds,
                                   args.seed, replay_topk=args.replay_topk, replay_from=replay_from,
                                   replay_from_name=args.replay_topk_from)
     print(f"{result.path_a} vs {result.path_b} ({result.mode}, {result.dtype}; thresholds {result.thresholds})")
@@ -144,10 +166,11 @@ def cmd_capture(args) -> int:
 
     from glmkit.checkpoint import open_checkpoint
     from glmkit.parity.builtin import capture_path, make_inputs
-    from glmkit.parity.dump import save_capture
+    from glmkit.parity.dump import check_capture_out, save_capture
 
     if args.path not in ("reference", "train", "rollout"):
         raise ValueError(f"unknown path {args.path!r}; allowed: reference, train, rollout")
+    check_capture_out(args.out, "--out")  # before the model runs
     seqs, prompts = make_inputs(open_checkpoint(args.checkpoint).config.vocab_size, args.batch, args.seq_len, args.seed)
     cap = capture_path(args.path, args.checkpoint, seqs, prompts, getattr(torch, args.dtype), args.device,
                        _backends(args))
@@ -231,7 +254,9 @@ def cmd_lora_prepare(args) -> int:
 
 def cmd_ckpt_synth(args) -> int:
     from glmkit.checkpoint import synth_checkpoint
+    from glmkit.outputs import check_dir_out
 
+    check_dir_out(args.out, "--out", args.overwrite)
     out = synth_checkpoint(args.variant, args.seed, args.out, dtype=_dtype(args.dtype), overwrite=args.overwrite,
                            device=args.device)
     print(f"wrote {out}")
@@ -239,9 +264,12 @@ def cmd_ckpt_synth(args) -> int:
 
 
 def cmd_ckpt_slice(args) -> int:
-    from glmkit.checkpoint import slice_checkpoint
+    from glmkit.checkpoint import open_checkpoint, slice_checkpoint
+    from glmkit.outputs import check_dir_out
 
-    out = slice_checkpoint(args.src, args.layers, args.out, overwrite=args.overwrite)
+    source = open_checkpoint(args.src)  # headers only: a bad --src is named first
+    check_dir_out(args.out, "--out", args.overwrite)
+    out = slice_checkpoint(source, args.layers, args.out, overwrite=args.overwrite)
     print(f"wrote {out}")
     return 0
 
@@ -389,7 +417,7 @@ def build_parser() -> argparse.ArgumentParser:
     def run_arguments(p):
         """The seeded input and where the paths run: shared by parity and capture."""
         p.add_argument("--seq-len", type=int, default=64)
-        p.add_argument("--batch", type=int, default=2)
+        p.add_argument("--batch", type=_positive, default=2)
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--dtype", default="float32", choices=list(DTYPES))
         p.add_argument("--device", default="cpu", choices=DEVICES)
@@ -577,15 +605,57 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _require_device(args) -> None:
+    """--device cuda where this process runs the model (not launch: its --device is the cluster's)."""
+    if getattr(args, "device", None) != "cuda" or args.func not in (cmd_check, cmd_parity, cmd_capture, cmd_train,
+                                                                     cmd_ckpt_synth, cmd_serve):
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        why = "this torch is built without CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
+        raise ValueError(f"--device cuda: {why} (torch {torch.__version__}); use --device cpu")
+
+
+def _error_text(command: str, err: BaseException) -> str:
+    """The whole reason, bounded: the library's messages put the file / tensor on the first line and list
+    the offending tensors (at most 10, and a count) on the next ones."""
+    lines = str(err).splitlines() or [type(err).__name__]
+    if len(lines) > MAX_ERROR_LINES:
+        lines = lines[:MAX_ERROR_LINES - 1] + [f"  ... ({len(lines) - MAX_ERROR_LINES + 1} more lines)"]
+    return f"glmkit {command}: error: " + "\n".join(lines)
+
+
+def _glmkit_warnings(command: str, default):
+    """A warnings.showwarning that prints glmkit's own warnings as "glmkit CMD: warning: ..." (other
+    packages' as Python does)."""
+    package = str(Path(__file__).resolve().parent)
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if str(Path(filename).resolve()).startswith(package):
+            print(f"glmkit {command}: warning: {message}", file=sys.stderr)
+        else:
+            default(message, category, filename, lineno, file, line)
+
+    return show
+
+
 def main(argv=None) -> int:
+    import warnings
+
     args = build_parser().parse_args(argv)
     from glmkit.checkpoint import CheckpointError
 
+    default_show, warnings.showwarning = warnings.showwarning, _glmkit_warnings(args.command, warnings.showwarning)
     try:
+        _require_device(args)
         return args.func(args)
-    except (CheckpointError, ValueError, FileNotFoundError, FileExistsError, ImportError, ConnectionError) as err:
-        print(f"glmkit {args.command}: error: {err}".splitlines()[0], file=sys.stderr)
+    except (CheckpointError, ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError,
+            ImportError, ConnectionError) as err:
+        print(_error_text(args.command, err), file=sys.stderr)
         return 2
+    finally:
+        warnings.showwarning = default_show
 
 
 if __name__ == "__main__":

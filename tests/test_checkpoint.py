@@ -108,7 +108,7 @@ def test_round_trip_exact(tmp_path):
     tensors = {name: torch.randn(shape, generator=torch.Generator().manual_seed(i))
                for i, (name, shape) in enumerate(expected_tensors(config).items())}
     path = save_checkpoint(tmp_path / "ck", config, iter(tensors.items()))
-    assert sorted(os.listdir(path)) == ["config.json", "generation_config.json", "model.safetensors"]
+    assert sorted(os.listdir(path)) == [".glmkit-output", "config.json", "generation_config.json", "model.safetensors"]
     with safe_open(str(path / "model.safetensors"), "pt") as f:
         assert f.metadata() == {"format": "pt"}
 

@@ -1,9 +1,9 @@
 """`glmkit serve` (a real uvicorn server process on 127.0.0.1) and the real client against it.
 
 The checkpoint is the shipped tiny starting checkpoint (fp32, CPU, with its tokenizer). Equality with
-the in-process engine: the server runs the same code on the same batch, so tokens, routed experts and
-DSA selections are equal exactly and log-probs to 1e-6 (fp32; different processes may pick different
-CPU kernels, measured equal to the last bit here).
+the in-process engine: the server runs the same code over its cache slots (8 rows, 256 positions)
+where the in-process call has 3 rows: tokens, routed experts and DSA selections equal exactly,
+log-probs to 1e-5 (fp32 summation order over other batch shapes; 1.2e-6 measured).
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ def test_batched_request_equals_the_in_process_engine(server, local_engine):
         meta = answer["meta_info"]
         assert answer["output_ids"] == want.tokens
         got = torch.tensor([lp for lp, _, _ in meta["output_token_logprobs"]])
-        assert (got - torch.tensor(want.logprobs)).abs().max() < 1e-6
+        assert (got - torch.tensor(want.logprobs)).abs().max() < 1e-5
         fed = len(prompt) + len(want.tokens) - 1
         assert torch.equal(decode_layers(meta, "routed_experts", fed)[3], want.routing[3])
         topk = decode_layers(meta, "indexer_topk", fed)[3]

@@ -3,8 +3,13 @@
 Reading is lazy: `open_checkpoint` parses only config.json, the index and the safetensors
 headers, validates every text tensor's name and shape against the config, and reads tensor data
 on demand through `safetensors.safe_open` (mmap). Writing streams (name, tensor) pairs into
-shards inside a temporary sibling directory that is renamed into place only when complete.
-Nothing here uses pickle.
+shards inside a temporary sibling directory that is renamed into place only when complete (see
+glmkit.outputs for the marker that lets --overwrite replace it later). Nothing here uses pickle.
+
+Dtype rule on reading: every text tensor must be floating point (bf16, fp16, fp32 or fp64); integer,
+bool and float8 tensors are refused (a cast would load them silently as wrong weights). A float tensor in
+another dtype than the checkpoint's (the dtype holding most elements; fp32 is also expected for the
+tensors transformers keeps in fp32) is cast when loaded, as before, with one warning naming it.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import json
 import os
 import shutil
 import tempfile
+import warnings
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -30,10 +36,12 @@ from glmkit.checkpoint.names import (
     TEXT_PREFIX,
     VISION_PREFIX,
     expected_tensors,
+    keeps_fp32,
     layer_of,
     layer_prefix,
 )
 from glmkit.config import full_config
+from glmkit.outputs import check_dir_out, staging_dir
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -57,7 +65,8 @@ _ST_DTYPES = {
 }
 
 # Longest list of problems shown in one CheckpointError before "... and N more".
-_MAX_LISTED = 8
+_MAX_LISTED = 10
+_WARNED: set[str] = set()
 
 
 class CheckpointError(ValueError):
@@ -180,6 +189,15 @@ def _sharded_tensor_map(index_file: Path) -> dict[str, TensorInfo]:
     if not isinstance(weight_map, dict):
         raise CheckpointError(f"{index_file}: no 'weight_map' object")
 
+    # Every entry must name a file directly inside the checkpoint directory; checked before any file is
+    # touched, so an index cannot make glmkit open (or reveal anything about) a file elsewhere.
+    for name, shard in weight_map.items():
+        if not isinstance(shard, str):
+            raise CheckpointError(f"{index_file}: weight_map entry for tensor {name} is {shard!r}, "
+                                  f"expected a shard file name")
+        if not shard or shard in (".", "..") or "/" in shard or "\\" in shard:
+            raise CheckpointError(f"{index_file}: shard path {shard!r} for tensor {name} is not a file name inside "
+                                  f"the checkpoint directory; refused without opening it")
     shard_names = sorted(set(weight_map.values()))
     for shard in shard_names:
         if not (index_file.parent / shard).is_file():
@@ -227,7 +245,32 @@ def _validate_text_tensors(path: Path, source: Path, expected: dict[str, tuple[i
             problems.append(f"tensor {name} in {info.file.name} has shape {list(info.shape)}, "
                             f"expected {list(expected[name])} from {CONFIG_FILE}")
     if problems:
-        raise CheckpointError(f"{path}: checkpoint does not match its {CONFIG_FILE}:\n  {_limited(problems)}")
+        count = _count(len(problems), "problem")
+        raise CheckpointError(f"{path}: checkpoint does not match its {CONFIG_FILE} ({count}):\n  {_limited(problems)}")
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _check_dtypes(path: Path, found: dict[str, TensorInfo]) -> None:
+    """The module's dtype rule: raise for non-float tensors, warn once naming the float ones loading casts."""
+    refused = [f"tensor {name} in {info.file.name} is {_dtype_name(info.dtype)}" for name, info in sorted(found.items())
+               if not info.dtype.is_floating_point or info.dtype.itemsize == 1]
+    if refused:
+        raise CheckpointError(f"{path}: {_count(len(refused), 'tensor')} not stored as bfloat16, float16 or float32 "
+                              f"(a cast would load wrong weights):\n  {_limited(refused)}")
+    elements = Counter()
+    for info in found.values():
+        elements[info.dtype] += _numel(info.shape)
+    main = elements.most_common(1)[0][0] if elements else None
+    cast = [f"{name} ({_dtype_name(info.dtype)})" for name, info in sorted(found.items())
+            if info.dtype != main and not (info.dtype == torch.float32 and keeps_fp32(name))]
+    message = (f"{path}: {_count(len(cast), 'tensor')} stored in another dtype than the checkpoint's "
+               f"{_dtype_name(main)}, cast when loaded:\n  {_limited(cast)}")
+    if cast and message not in _WARNED:  # once per process, however often the checkpoint is opened
+        _WARNED.add(message)
+        warnings.warn(message)
 
 
 class Checkpoint:
@@ -374,6 +417,7 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
         else:
             text[name] = info
     _validate_text_tensors(path, source, expected_tensors(config), text)
+    _check_dtypes(path, text)
     return Checkpoint(path, config, text, sorted(vision), sorted(mtp))
 
 
@@ -381,11 +425,11 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
 
 
 def _refuse_existing(target: Path, overwrite: bool) -> None:
-    if not target.exists() or overwrite:
-        return
-    if target.is_dir() and not any(target.iterdir()):
-        return
-    raise CheckpointError(f"{target}: already exists and is not empty; pass overwrite=True to replace it")
+    """Absent, empty, or (overwrite) a directory glmkit wrote: see glmkit.outputs.check_dir_out."""
+    try:
+        check_dir_out(target, overwrite=overwrite)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
 
 
 def _storable(tensor: torch.Tensor) -> torch.Tensor:
@@ -504,13 +548,13 @@ def save_checkpoint(path: str | os.PathLike, text_config: Glm5NextTextConfig,
     """Write (full on-disk name, tensor) pairs as a checkpoint transformers can load.
 
     The stream is consumed once; at most one shard (max_shard_bytes) is buffered. Everything
-    goes into `path.tmp-XXXX` first and is renamed to `path` only when names and shapes match
-    `expected_tensors(text_config)` exactly, so a failed save leaves nothing at `path`.
+    goes into a marked staging directory `.NAME.tmp-*` beside `path` first and is renamed to `path`
+    only when names and shapes match `expected_tensors(text_config)` exactly, so a failed save leaves
+    nothing at `path`. overwrite replaces only a directory glmkit wrote (glmkit.outputs).
     """
-    target = Path(path)
+    target = Path(os.path.abspath(path))  # "." and ".." get a name and a parent
     _refuse_existing(target, overwrite)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staged = Path(tempfile.mkdtemp(prefix=target.name + ".tmp-", dir=target.parent))
+    staged = staging_dir(target, "checkpoint")
     try:
         writer = _ShardWriter(staged, max_shard_bytes)
         _stream_into(writer, target, expected_tensors(text_config), tensors)
@@ -524,4 +568,4 @@ def save_checkpoint(path: str | os.PathLike, text_config: Glm5NextTextConfig,
     except BaseException:
         shutil.rmtree(staged, ignore_errors=True)
         raise
-    return target
+    return Path(path)

@@ -19,7 +19,7 @@ def make_inputs(vocab_size: int, batch: int, seq_len: int, seed: int = 0):
     """`batch` seeded sequences, lengths seq_len, 3/4 seq_len, ... (at least 2), and their prompt
     lengths (half of each: the rest is the "response" a rollout decodes)."""
     if batch < 1 or seq_len < 2:
-        raise ValueError(f"need batch >= 1 and seq_len >= 2, got batch={batch}, seq_len={seq_len}")
+        raise ValueError(f"--batch must be >= 1 and --seq-len >= 2, got --batch {batch}, --seq-len {seq_len}")
     g = torch.Generator().manual_seed(seed)
     lengths = [max(2, seq_len - i * seq_len // (4 * batch)) for i in range(batch)]
     low = 3 if vocab_size > 3 else 0

@@ -14,7 +14,7 @@ comparison reads to tell ties from differences.
 A framework's per-token DSA selections (what an SGLang engine returns as `indexer_topk`) are read by
 `read_selections`: int32 [tokens, DSA layers, k], rows in the packed token order of the capture they
 go with, sequence-local positions, -1 empty.
-Written to a temporary sibling directory and renamed into place when complete.
+Written to a temporary sibling directory (glmkit.outputs.staging_dir) and renamed into place when complete.
 """
 
 from __future__ import annotations
@@ -23,13 +23,14 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+from glmkit.outputs import check_dir_out, staging_dir
 
 FORMAT = "glmkit-capture/1"
 
@@ -71,12 +72,19 @@ class Capture:
         self.tensors[(layer, site)] = rows.detach().to("cpu").contiguous()
 
 
+def check_capture_out(out: str | os.PathLike, flag: str | None = None) -> Path:
+    """Where a capture may be written: a new or empty directory. -> its absolute path. The CLI calls this
+    before running anything, so a bad --out fails at once."""
+    if Path(out).is_dir() and any(Path(out).iterdir()):
+        raise FileExistsError(f"{flag + ' ' if flag else ''}{out}: exists and is not empty; choose a new or "
+                              f"empty directory")
+    return check_dir_out(out, flag, overwrite=None)
+
+
 def save_capture(capture: Capture, out: str | os.PathLike) -> Path:
-    out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        raise FileExistsError(f"{out}: exists and is not empty")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    given = Path(out)
+    out = check_capture_out(out)
+    staging = staging_dir(out, "capture")
     try:
         tensors = {site_key(layer, site): t for (layer, site), t in capture.tensors.items()}
         tensors["input/ids"] = capture.input_ids.cpu().contiguous()
@@ -91,7 +99,7 @@ def save_capture(capture: Capture, out: str | os.PathLike) -> Path:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return out
+    return given
 
 
 def load_capture(path: str | os.PathLike) -> Capture:
@@ -101,11 +109,17 @@ def load_capture(path: str | os.PathLike) -> Capture:
         raise ValueError(f"{path}: not a capture directory (needs manifest.json and tensors.safetensors)")
     try:
         manifest = json.loads(manifest_file.read_text())
-    except json.JSONDecodeError as err:
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"{manifest_file}: unreadable JSON: {err}") from err
+    if not isinstance(manifest, dict):
+        raise ValueError(f"{manifest_file}: expected a JSON object, found {type(manifest).__name__}")
     if manifest.get("format") != FORMAT:
         raise ValueError(f"{manifest_file}: format {manifest.get('format')!r}, expected {FORMAT!r}")
-    with safe_open(str(tensor_file), "pt") as f:
+    try:  # safetensors checks the header and that the data covers it (a truncated file fails here)
+        f = safe_open(str(tensor_file), "pt")
+    except Exception as err:
+        raise ValueError(f"{tensor_file}: not a readable safetensors file (truncated or corrupt): {err}") from err
+    with f:
         keys = list(f.keys())
         for needed in ("input/ids", "input/cu_seqlens"):
             if needed not in keys:
@@ -113,7 +127,12 @@ def load_capture(path: str | os.PathLike) -> Capture:
         capture = Capture(f.get_tensor("input/ids"), f.get_tensor("input/cu_seqlens"), manifest=manifest)
         for key in keys:
             if not key.startswith("input/"):
-                capture.tensors[parse_key(key)] = f.get_tensor(key)
+                try:
+                    site = parse_key(key)
+                except ValueError as err:
+                    raise ValueError(f"{tensor_file}: tensor {key!r} is not named L<layer>/<site> or "
+                                     f"final/<site>") from err
+                capture.tensors[site] = f.get_tensor(key)
     return capture
 
 

@@ -1,8 +1,9 @@
 """Prompt data in the DAPO-Math-17k jsonl format, and the tiny model's ideal response.
 
-One row per line: `{"prompt": [chat messages] or "text", "label": "<answer>", ...}`. Malformed rows
-are never dropped silently: each becomes a `Problem` naming its line (1-based), reported in one
-warning with the count, or raised at once with `on_error="raise"`. Blank lines are not rows.
+One row per line: `{"prompt": [chat messages] or "text", "label": "<answer>", ...}`, UTF-8. Malformed rows
+(a line that is not UTF-8 text among them) are never dropped silently: each becomes a `Problem` naming its
+line (1-based), reported in one warning with the count, or raised at once with `on_error="raise"`. Blank
+lines are not rows.
 """
 
 from __future__ import annotations
@@ -103,6 +104,13 @@ def _prompt_ids(text: str, tokenizer, apply_chat_template: bool) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=not apply_chat_template))
 
 
+def _decode(raw: bytes) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise RowError(f"not UTF-8 text (invalid byte 0x{raw[err.start]:02x} at position {err.start + 1})") from None
+
+
 def parse_row(line: str, number: int, input_key: str, label_key: str, tokenizer, apply_chat_template: bool) -> Sample:
     """One jsonl line as a Sample; raises RowError saying what is wrong with it."""
     try:
@@ -142,11 +150,12 @@ def load_prompts(path=DEFAULT_DAPO_PATH, input_key: str = "prompt", label_key: s
     if apply_chat_template and tokenizer is not None and not getattr(tokenizer, "chat_template", None):
         raise ValueError("apply_chat_template is set but the tokenizer has no chat template")
     samples, problems = [], []
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
+    with open(path, "rb") as f:  # decoded line by line, so a binary file names its first bad line
+        for number, raw in enumerate(f, start=1):
             try:
+                line = _decode(raw)
+                if not line.strip():
+                    continue
                 samples.append(parse_row(line, number, input_key, label_key, tokenizer, apply_chat_template))
             except RowError as err:
                 if on_error == "raise":

@@ -12,7 +12,6 @@ import json
 import math
 import os
 import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -21,6 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
+from glmkit.outputs import MARKER, check_file_out, is_glmkit_output, staging_dir
 from glmkit.rl import grpo
 from glmkit.rl.lora import DEFAULT_EXCLUDE
 
@@ -111,9 +111,18 @@ class TrainConfig:
             raise ValueError(f"--rollout-temperature {cfg.rollout_temperature}: GRPO needs > 0 (log-probs are "
                              f"those of softmax(logits / T))")
         for name in ("num_rollout", "rollout_batch_size", "n_samples_per_prompt", "global_batch_size",
-                     "max_nonfinite_steps"):
+                     "max_nonfinite_steps", "rollout_max_response_len"):
             if getattr(cfg, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
+        # checked here, before the model loads: an Inf / NaN would only show up in sampling or as skipped steps
+        for name in ("lr", "rollout_temperature", "rollout_top_p", "eps_clip", "eps_clip_high", "kl_loss_coef",
+                     "entropy_coef", "lora_alpha"):
+            if not math.isfinite(getattr(cfg, name)):
+                raise ValueError(f"--{name.replace('_', '-')} must be a finite number, got {getattr(cfg, name)}")
+        if cfg.lr <= 0:
+            raise ValueError(f"--lr must be > 0, got {cfg.lr}")
+        if not 0 < cfg.rollout_top_p <= 1:
+            raise ValueError(f"--rollout-top-p must be in (0, 1], got {cfg.rollout_top_p}")
         return cfg
 
 
@@ -126,7 +135,7 @@ def _save_checkpoint(cfg, step: int, policy, optimizer, lora_names) -> Path:
     root = Path(cfg.save)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"iter_{step:07d}"
-    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))
+    staging = staging_dir(final, "training checkpoint")
     try:
         if lora_names:
             save_file({k: v.detach().cpu().contiguous() for k, v in adapter_state(policy).items()},
@@ -155,14 +164,42 @@ def _latest(cfg) -> Path | None:
     marker = Path(cfg.save) / "latest_checkpointed_iteration.txt" if cfg.save else None
     if marker is None or not marker.exists():
         return None
-    return Path(cfg.save) / f"iter_{int(marker.read_text().strip()):07d}"
+    text = marker.read_text(errors="replace").strip()
+    if not (text.isascii() and text.isdigit()):
+        raise ValueError(f"{marker}: expected the latest iteration number, found {text[:40]!r}; --resume cannot tell "
+                         f"which checkpoint to continue from (write the number of an iter_* directory there)")
+    folder = Path(cfg.save) / f"iter_{int(text):07d}"
+    if not folder.is_dir():
+        raise ValueError(f"{marker} names iteration {int(text)} but {folder} does not exist")
+    return folder
+
+
+def _is_metrics_file(path: Path) -> bool:
+    """Whether `path` looks like a metrics stream glmkit wrote: its first line a JSON object."""
+    with open(path, "rb") as f:
+        first = f.readline(1 << 16)
+    if not first.strip():  # a run stopped before its first row: nothing to lose
+        return True
+    try:
+        return isinstance(json.loads(first), dict)
+    except (ValueError, UnicodeDecodeError):
+        return False
+
+
+def _is_own_checkpoint(path: Path) -> bool:
+    """An iter_* entry glmkit wrote: marked, or (written before the marker) holding its state.json and
+    optimizer.safetensors, which a Megatron iter_* directory does not."""
+    return path.is_dir() and (is_glmkit_output(path) or ((path / "state.json").is_file()
+                                                         and (path / "optimizer.safetensors").is_file()))
 
 
 def _claim_outputs(cfg) -> list[str]:
     """Refuse to start over an earlier run's metrics or checkpoints unless told to; with --overwrite,
     clear what glmkit wrote there (the metrics file, iter_* and the latest marker). -> notes to print."""
-    metrics = Path(cfg.metrics_out)
+    metrics = check_file_out(cfg.metrics_out, "--metrics-out")
     save = Path(cfg.save) if cfg.save else None
+    if save is not None and save.exists() and not save.is_dir():
+        raise ValueError(f"--save {save}: exists and is not a directory")
     checkpoints = sorted(save.glob("iter_*")) + [m for m in [save / "latest_checkpointed_iteration.txt"]
                                                   if m.exists()] if save is not None and save.is_dir() else []
     if cfg.resume:
@@ -175,6 +212,15 @@ def _claim_outputs(cfg) -> list[str]:
             raise ValueError(f"{save} already holds checkpoints ({checkpoints[-1].name}, ...): pass --resume to "
                              f"continue that run, or --overwrite to replace them")
         return []
+    # --overwrite removes only what glmkit wrote; anything else is the user's to remove
+    if metrics.exists() and not _is_metrics_file(metrics):
+        raise ValueError(f"--metrics-out {metrics}: not a metrics file glmkit wrote (JSON rows); --overwrite "
+                         f"replaces only those: remove it yourself or choose another --metrics-out")
+    foreign = [p.name for p in checkpoints if p.name.startswith("iter_") and not _is_own_checkpoint(p)]
+    if foreign:
+        raise ValueError(f"--save {save}: {', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''} not written "
+                         f"by glmkit (no {MARKER} or state.json); --overwrite replaces only glmkit's checkpoints: "
+                         f"remove them yourself or choose another --save")
     notes = []
     if metrics.exists():
         metrics.unlink()
@@ -282,12 +328,18 @@ class GRPOTrainer:
 
         self.cfg = cfg = cfg.resolved()
         self.notes = _claim_outputs(cfg)  # before anything slow: a refused run fails at once
+        latest = _latest(cfg) if cfg.resume else None  # a bad resume marker too
+        data = Path(cfg.prompt_data)
+        if not data.is_file():
+            raise ValueError(f"--prompt-data {data}: " + ("is a directory; give a jsonl file" if data.is_dir()
+                                                          else "no such file"))
         dtype = getattr(torch, cfg.dtype)
         self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.checkpoint)
         self.samples, self.problems = load_prompts(cfg.prompt_data, cfg.input_key, cfg.label_key, self.tokenizer,
                                                    cfg.apply_chat_template, cfg.seed, cfg.on_bad_row)
         if not self.samples:
-            raise ValueError(f"{cfg.prompt_data}: no usable prompts")
+            first = f" ({len(self.problems)} malformed rows; first: {self.problems[0]})" if self.problems else ""
+            raise ValueError(f"--prompt-data {cfg.prompt_data}: no usable prompts{first}")
         if cfg.prompt_pool:
             self.samples = self.samples[:cfg.prompt_pool]
         self.policy = load_model(cfg.checkpoint, dtype, cfg.device)
@@ -306,7 +358,7 @@ class GRPOTrainer:
         self.trainable = [p for p in self.policy.parameters() if p.requires_grad]
         self.optimizer = torch.optim.Adam(self.trainable, lr=cfg.lr)
         self.start_step, self.nonfinite_streak = 0, 0
-        if cfg.resume and (latest := _latest(cfg)) is not None:
+        if latest is not None:
             self._resume(latest)
         if cfg.resume:
             self.notes += _truncate_metrics(Path(cfg.metrics_out), self.start_step)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import base64
 import os
-import tempfile
+import shutil
 import time
 from pathlib import Path
 
@@ -100,21 +100,20 @@ class SGLangClient:
 
 
 def write_weights_dir(tensors: dict, root: str | os.PathLike, name: str) -> Path:
-    """Write named tensors to root/name/weights.safetensors atomically: a staging directory renamed
-    into place, so a server never reads half a directory. An existing root/name is replaced."""
+    """Write named tensors to root/name/weights.safetensors atomically: a marked staging directory
+    renamed into place, so a server never reads half a directory. An existing root/name that glmkit
+    wrote is replaced; anything else there is refused."""
     from safetensors.torch import save_file
 
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / name
-    staging = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=root))
+    from glmkit.outputs import check_dir_out, staging_dir
+
+    final = check_dir_out(Path(root) / name, "--weight-update-dir", overwrite=True)
+    staging = staging_dir(final, "weight update")
     save_file({k: t.detach().to("cpu").contiguous() for k, t in tensors.items()}, str(staging / "weights.safetensors"))
     if final.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{name}.old-", dir=root))
-        os.replace(final, old / name)
+        old = staging.with_name(staging.name.replace(".tmp-", ".old-", 1))
+        os.replace(final, old)
         os.replace(staging, final)
-        import shutil
-
         shutil.rmtree(old)
     else:
         os.replace(staging, final)

@@ -1,10 +1,8 @@
 """`glmkit serve`: glmkit's rollout engine behind SGLang's native HTTP API (FastAPI + uvicorn).
 
-Concurrent requests are batched: a request waits up to `window_s` (5 ms) for others, then every
-waiting request with the same sampling parameters (lengths may differ) runs as one
-`RolloutEngine.generate_continuous` call, each leaving its slot when it finishes; requests that
-arrive meanwhile wait for the next call.
-One worker thread owns the model: generation and weight updates never overlap.
+Continuous batching (`Batcher`): one worker thread owns the model; requests with the same sampling
+setup share a `SlotBatch`, join it between decode steps while slots are free and leave it when they
+finish. Generation and weight updates never overlap.
 
 Weight updates: `/update_weights_from_tensor` takes safetensors blobs (never pickle);
 `/update_weights_from_disk` reads only directories under the roots given with
@@ -18,7 +16,7 @@ import base64
 import itertools
 import socket
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -46,9 +44,10 @@ class Pending:
     want_topk: bool
     future: asyncio.Future = None
     answer: dict = field(default_factory=dict)
+    teacher: dict | None = None
 
     def key(self):
-        """Requests that can share one engine call: lengths may differ (each leaves at its own)."""
+        """Requests that can share one batch of slots: lengths may differ (each leaves at its own)."""
         p = self.params
         return (p.temperature, p.top_p, p.max_new_tokens == 0, tuple(p.stop_token_ids), p.sampling_seed)
 
@@ -101,33 +100,46 @@ class EngineService:
                 raise BadRequest(f"input {i} has token id {bad[0]} outside the vocabulary (size {self.vocab_size})")
         return [list(map(int, p)) for p in prompts]
 
-    def run_group(self, items: list[Pending], cancelled) -> None:
-        """One engine call for requests with equal sampling parameters; fills each item's answer."""
-        from glmkit.model.rollout import Completion, SamplingParams
+    def run_prompt_only(self, items: list[Pending]) -> None:
+        """max_new_tokens 0: the teacher-forced pass alone; fills each item's answer."""
+        from glmkit.model.rollout import Completion
 
-        p = items[0].params
-        prompts = [it.prompt for it in items]
         self.batches_run += 1
         self.requests_run += len(items)
-        want_routing = any(it.want_routing for it in items)
-        want_topk = any(it.want_topk for it in items)
-        if p.max_new_tokens == 0:
-            completions = [Completion(prompt=list(pr), finish_reason="length") for pr in prompts]
-        else:
-            limits = [it.params.max_new_tokens for it in items]
-            params = SamplingParams(temperature=p.temperature, top_p=p.top_p, max_new_tokens=max(limits),
-                                    stop_token_ids=tuple(p.stop_token_ids))
-            seed = p.sampling_seed if p.sampling_seed is not None else next(self.seeds)
-            completions = self.engine.generate_continuous(
-                prompts, params, len(prompts), seed=seed, max_new_tokens=limits, record_routing=want_routing,
-                record_topk=want_topk, cancelled=lambda i: cancelled(items[i].rid))
-        teacher = [i for i, it in enumerate(items) if (it.want_logprob and it.logprob_start_len >= 0)
-                   or (p.max_new_tokens == 0 and (it.want_routing or it.want_topk))]
-        prompt_pass = self.prompt_pass([prompts[i] for i in teacher], p.temperature, want_routing, want_topk) \
-            if teacher else []
-        passes = dict(zip(teacher, prompt_pass))
-        for i, (it, c) in enumerate(zip(items, completions)):
-            it.answer = self.answer(it, c, passes.get(i))
+        p = items[0].params
+        passes = self.prompt_pass([it.prompt for it in items], p.temperature, any(it.want_routing for it in items),
+                                  any(it.want_topk for it in items))
+        for it, teacher in zip(items, passes):
+            it.answer = self.answer(it, Completion(prompt=list(it.prompt), finish_reason="length"), teacher)
+
+    def open_slots(self, waiting: list[Pending], cancelled):
+        """A SlotBatch for requests with the sampling setup of waiting[0]: --max-batch-size slots, each
+        as long as the longest of `waiting` needs (a power of two, at most --max-context)."""
+        from glmkit.model.rollout import SamplingParams, SlotBatch
+
+        p = waiting[0].params
+        need = max(len(it.prompt) + it.params.max_new_tokens for it in waiting)
+        capacity = min(self.max_context, max(256, 1 << (need - 1).bit_length()))
+        params = SamplingParams(temperature=p.temperature, top_p=p.top_p, max_new_tokens=1,
+                                stop_token_ids=tuple(p.stop_token_ids))
+        seed = p.sampling_seed if p.sampling_seed is not None else next(self.seeds)
+        self.batches_run += 1
+        return SlotBatch(self.engine, self.max_batch, capacity, params, seed, record_routing=True, record_topk=True,
+                         cancelled=lambda item: cancelled(item.rid))
+
+    def admit(self, slots, items: list[Pending]) -> None:
+        """Prefill `items` into free slots (and their teacher-forced pass where asked)."""
+        self.requests_run += len(items)
+        teacher = [it for it in items if it.want_logprob and it.logprob_start_len >= 0]
+        if teacher:
+            p = items[0].params
+            for it, result in zip(teacher, self.prompt_pass([it.prompt for it in teacher], p.temperature,
+                                                            False, False)):
+                it.teacher = result
+        slots.join([it.prompt for it in items], [it.params.max_new_tokens for it in items], items)
+
+    def finish(self, item: Pending, completion) -> None:
+        item.answer = self.answer(item, completion, item.teacher)
 
     @torch.no_grad()
     def prompt_pass(self, prompts, temperature, want_routing, want_topk) -> list[dict]:
@@ -253,87 +265,159 @@ class EngineService:
         return tensors
 
 
+@dataclass
+class _Call:
+    fn: object
+    args: tuple
+    future: asyncio.Future
+
+
 class Batcher:
-    """Collects requests for up to `window_s`, runs groups with equal sampling parameters on the
-    worker thread, resolves each request's future."""
+    """One worker thread owns the model. It runs, in arrival order, weight updates and batches of
+    generation: a batch opens slots for the first waiting request's sampling setup and, between decode
+    steps, admits every waiting request with the same setup while slots are free (continuous
+    batching); each request's answer is sent the moment it finishes. A waiting weight update stops
+    admissions, and runs when the batch has drained."""
 
     def __init__(self, service: EngineService, window_s: float = 0.005):
         self.service, self.window_s = service, window_s
-        self.queue: asyncio.Queue | None = None
-        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="glmkit-engine")
+        self.pending: deque = deque()
+        self.cond = threading.Condition()
         self.cancelled: set = set()
         self.running: set = set()
-        self.lock = threading.Lock()
-        self.task = None
+        self.loop = None
+        self.stopped = False
+        self.thread = threading.Thread(target=self._work, name="glmkit-engine", daemon=True)
 
     def start(self):
-        self.queue = asyncio.Queue()
-        self.task = asyncio.get_running_loop().create_task(self._loop())
+        self.loop = asyncio.get_running_loop()
+        self.thread.start()
+
+    def stop(self):
+        with self.cond:
+            self.stopped = True
+            self.cond.notify()
 
     async def submit(self, items: list[Pending]) -> list[dict]:
-        loop = asyncio.get_running_loop()
         for it in items:
-            it.future = loop.create_future()
-            await self.queue.put(it)
+            it.future = self.loop.create_future()
+        with self.cond:
+            self.pending.extend(items)
+            self.cond.notify()
         return [await it.future for it in items]
 
     async def call(self, fn, *args):
-        """Run fn on the worker thread (after the batch in flight)."""
-        return await asyncio.get_running_loop().run_in_executor(self.worker, fn, *args)
+        """Run fn on the worker thread, between batches."""
+        future = self.loop.create_future()
+        with self.cond:
+            self.pending.append(_Call(fn, args, future))
+            self.cond.notify()
+        return await future
 
     def is_cancelled(self, rid: str) -> bool:
         return rid in self.cancelled
 
     def abort(self, rid: str | None, abort_all: bool) -> int:
-        with self.lock:
-            targets = set(self.running) if abort_all else ({rid} & self.running)
-            if abort_all and self.queue is not None:
-                targets |= {it.rid for it in self.queue._queue}  # noqa: SLF001 - inspect, not mutate
-            elif rid is not None and self.queue is not None and any(it.rid == rid for it in self.queue._queue):
-                targets.add(rid)
+        with self.cond:
+            waiting = {it.rid for it in self.pending if isinstance(it, Pending)}
+            known = self.running | waiting
+            targets = known if abort_all else ({rid} & known)
             self.cancelled |= targets
         return len(targets)
 
     @property
     def busy(self) -> bool:
-        return bool(self.running) or (self.queue is not None and not self.queue.empty())
+        with self.cond:
+            return bool(self.running) or any(isinstance(it, Pending) for it in self.pending)
 
-    async def _loop(self):
-        loop = asyncio.get_running_loop()
+    # ---- the worker thread -------------------------------------------------------------------------
+    def _settle(self, future, value=None, error=None):
+        def done():
+            if not future.done():
+                future.set_exception(error) if error is not None else future.set_result(value)
+        self.loop.call_soon_threadsafe(done)
+
+    def _take_same(self, key, limit: int) -> list[Pending]:
+        """Up to `limit` waiting requests with `key`, in order, not past a waiting weight update."""
+        taken = []
+        with self.cond:
+            for it in list(self.pending):
+                if isinstance(it, _Call) or len(taken) == limit:
+                    break
+                if it.key() == key:
+                    self.pending.remove(it)
+                    taken.append(it)
+            self.running |= {it.rid for it in taken}
+        return taken
+
+    def _work(self):
+        import time as clock
+
         while True:
-            first = await self.queue.get()
-            items = [first]
-            deadline = loop.time() + self.window_s
-            while len(items) < self.service.max_batch:
-                timeout = deadline - loop.time()
-                if timeout <= 0:
-                    break
+            with self.cond:
+                while not self.pending and not self.stopped:
+                    self.cond.wait()
+                if self.stopped:
+                    return
+                first = self.pending[0]
+            if isinstance(first, _Call):
+                with self.cond:
+                    self.pending.popleft()
                 try:
-                    items.append(await asyncio.wait_for(self.queue.get(), timeout))
-                except asyncio.TimeoutError:
-                    break
-            groups: dict = {}
-            for it in items:
-                groups.setdefault(it.key(), []).append(it)
-            for group in groups.values():
-                await self._run(group)
+                    self._settle(first.future, first.fn(*first.args))
+                except Exception as err:  # noqa: BLE001 - the caller's request gets the error
+                    self._settle(first.future, error=err)
+                continue
+            clock.sleep(self.window_s)  # let requests sent together arrive together
+            self._run_batch(first.key())
 
-    async def _run(self, group: list[Pending]):
-        with self.lock:
-            self.running |= {it.rid for it in group}
+    def _run_batch(self, key):
+        service, batch, slots = self.service, [], None
         try:
-            await self.call(self.service.run_group, group, self.is_cancelled)
-            for it in group:
-                if not it.future.done():
-                    it.future.set_result(it.answer)
-        except Exception as err:  # noqa: BLE001 - every waiting request learns why
-            for it in group:
-                if not it.future.done():
-                    it.future.set_exception(err)
+            if key[2]:  # max_new_tokens 0: a teacher-forced pass, no slots
+                batch = self._take_same(key, service.max_batch)
+                service.run_prompt_only(batch)
+                for it in batch:
+                    self._settle(it.future, it.answer)
+                return
+            with self.cond:
+                waiting = [it for it in self.pending if isinstance(it, Pending) and it.key() == key]
+            slots = service.open_slots(waiting, self.is_cancelled)
+            closed = False  # once a request does not fit these slots, it waits first in line for the next batch
+            while True:
+                fits = []
+                for it in ([] if closed else self._take_same(key, slots.free)):
+                    if not closed and len(it.prompt) + it.params.max_new_tokens <= slots.capacity:
+                        fits.append(it)
+                        continue
+                    closed = True
+                    with self.cond:
+                        self.pending.appendleft(it)
+                        self.running.discard(it.rid)
+                if fits:
+                    batch += fits
+                    service.admit(slots, fits)  # samples each one's first token: some may end here
+                self._answer_finished(slots)
+                if not slots.busy:
+                    return
+                slots.step()
+                self._answer_finished(slots)
+        except Exception as err:  # noqa: BLE001 - every request of the batch learns why
+            for it in batch:
+                self._settle(it.future, error=err)
         finally:
-            with self.lock:
-                self.running -= {it.rid for it in group}
-                self.cancelled -= {it.rid for it in group}
+            self._release(batch)
+
+    def _answer_finished(self, slots):
+        for item, completion in slots.finished():
+            self.service.finish(item, completion)
+            self._settle(item.future, item.answer)
+            self._release([item])
+
+    def _release(self, items):
+        with self.cond:
+            self.running -= {it.rid for it in items}
+            self.cancelled -= {it.rid for it in items}
 
 
 def build_app(service: EngineService, window_s: float = 0.005):
@@ -350,8 +434,7 @@ def build_app(service: EngineService, window_s: float = 0.005):
     async def lifespan(app):
         batcher.start()
         yield
-        batcher.task.cancel()
-        batcher.worker.shutdown(wait=False, cancel_futures=True)
+        batcher.stop()
 
     app = FastAPI(title="glmkit serve (SGLang native API subset)", lifespan=lifespan)
     app.state.batcher = batcher

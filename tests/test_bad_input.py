@@ -1,0 +1,425 @@
+"""Bad input and unsafe requests, as a user meets them: `glmkit ...` in a subprocess, its exit code and its
+message. Every case here used to end in a traceback, an unclear or truncated message, or a silent accident.
+
+Each case is a `@case` function that sets up its files (with glmkit's own writers, in this process) and
+names the `glmkit` runs it makes, and a test that asserts on those runs. A CLI start costs seconds of
+imports (torch, transformers), so the `runs` fixture starts every case's runs at once, one per CPU core,
+and each test waits only for its own."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from glmkit.checkpoint import TEXT_PREFIX, open_checkpoint, save_checkpoint, synth_checkpoint, synth_tensor
+from glmkit.outputs import MARKER
+
+UP_PROJ = TEXT_PREFIX + "layers.0.mlp.up_proj.weight"  # [128, 64] in the tiny variant
+DOWN_PROJ = TEXT_PREFIX + "layers.1.mlp.down_proj.weight"  # [64, 128]
+CASES = {}
+
+
+def case(setup):
+    """Register `setup(folder, tiny, sharded) -> [argv or (argv, cwd), ...]`."""
+    CASES[setup.__name__] = setup
+    return setup
+
+
+def glmkit(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "glmkit", *map(str, args)], capture_output=True, text=True,
+                          cwd=cwd, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def sharded(tiny_ckpt, tmp_path_factory):
+    """tiny_ckpt as 5 shards and an index."""
+    ckpt = open_checkpoint(tiny_ckpt)
+    path = tmp_path_factory.mktemp("sharded") / "ck"
+    save_checkpoint(path, ckpt.config, ((k, ckpt.get(k)) for k in ckpt.text_keys()), max_shard_bytes=400_000)
+    return path
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_ckpt, sharded, tmp_path_factory):
+    """runs(name) -> (the case's folder, its runs' CompletedProcess in order)."""
+    pool = ThreadPoolExecutor(os.cpu_count() or 2)
+    started = {}
+    for name, setup in CASES.items():
+        folder = tmp_path_factory.mktemp(name)
+        calls = [c if isinstance(c, tuple) else (c, None) for c in setup(folder, tiny_ckpt, sharded)]
+        started[name] = folder, [pool.submit(glmkit, *argv, cwd=cwd) for argv, cwd in calls]
+    yield lambda name: (started[name][0], [f.result() for f in started[name][1]])
+    pool.shutdown()
+
+
+def error(out) -> str:
+    """The error a run ended with: exit 2, no traceback, the text from its `glmkit CMD: error:` line on."""
+    assert out.returncode == 2, (out.returncode, out.stdout[-2000:], out.stderr[-2000:])
+    assert "Traceback" not in out.stderr, out.stderr
+    lines = out.stderr.splitlines()
+    start = next(i for i, line in enumerate(lines) if ": error: " in line)
+    return "\n".join(lines[start:])
+
+
+def copy_ckpt(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def rewrite_weights(ckpt_dir, edit):
+    file = ckpt_dir / "model.safetensors"
+    tensors = load_file(str(file))
+    edit(tensors)
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    return ckpt_dir
+
+
+def edit_index(folder, entry):
+    """Point UP_PROJ's weight_map entry at `entry`."""
+    index_file = folder / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    index["weight_map"][UP_PROJ] = entry
+    index_file.write_text(json.dumps(index))
+    return folder
+
+
+def capture_dir(folder):
+    """A real capture directory written by glmkit's own writer (two sites of a 6-token input)."""
+    from glmkit.parity.dump import Capture, save_capture
+
+    cap = Capture(torch.arange(3, 9), torch.tensor([0, 4, 6]), manifest={"path": "train"})
+    cap.put(0, "attn_out", torch.randn(6, 64))
+    cap.put(None, "final_hidden", torch.randn(6, 64))
+    return save_capture(cap, folder / "cap")
+
+
+# ----------------------------------------------------------------------------- clear errors
+
+
+@case
+def mismatch(folder, tiny, sharded):
+    def break_three(t):  # a wrong shape, an extra tensor and a missing one
+        t[UP_PROJ] = t[UP_PROJ][:-1].clone()
+        t[TEXT_PREFIX + "layers.0.bogus.weight"] = torch.zeros(3)
+        t.pop(DOWN_PROJ)
+
+    three = rewrite_weights(copy_ckpt(tiny, folder / "three"), break_three)
+    many = rewrite_weights(copy_ckpt(tiny, folder / "many"), lambda t: [
+        t.pop(k) for k in [k for k in t if k.startswith(TEXT_PREFIX + "layers.0.")]])
+    layers = copy_ckpt(tiny, folder / "layers")
+    config = json.loads((layers / "config.json").read_text())
+    config["text_config"]["num_hidden_layers"] = 3
+    (layers / "config.json").write_text(json.dumps(config))
+    return [["ckpt", "info", p] for p in (three, many, layers)]
+
+
+def test_checkpoint_mismatch_shows_the_whole_reason(runs):
+    """Wrong shape, extra tensor, missing tensor, many missing (bounded: 10 and a count), a bad
+    num_hidden_layers: the tensor names and shapes reach the user, not only the header line."""
+    folder, outs = runs("mismatch")
+    three, many, layers = map(error, outs)
+    header, *details = three.splitlines()
+    assert header == f"glmkit ckpt: error: {folder}/three: checkpoint does not match its config.json (3 problems):"
+    assert sorted(details) == [
+        f"  missing tensor {DOWN_PROJ} [64, 128]: not in model.safetensors",
+        f"  tensor {UP_PROJ} in model.safetensors has shape [127, 64], expected [128, 64] from config.json",
+        f"  unexpected tensor {TEXT_PREFIX}layers.0.bogus.weight in model.safetensors"]
+    listed = [line for line in many.splitlines() if line.startswith("  missing tensor")]
+    total = int(many.split(" (")[1].split(" problems")[0])
+    assert len(listed) == 10 and total > 10 and many.endswith(f"... and {total - 10} more")
+    assert f"{folder}/layers/config.json" in layers and "`num_hidden_layers` (3) must be equal" in layers
+
+
+@case
+def cuda(folder, tiny, sharded):
+    if torch.cuda.is_available():
+        return []
+    return [["parity", "--checkpoint", tiny, "--device", "cuda"],
+            ["check", "--checkpoint", tiny, "--device", "cuda", "--out", folder / "report"],
+            ["train", "--device", "cuda", "--metrics-out", folder / "m.jsonl"],
+            ["ckpt", "synth", "--variant", "tiny", "--device", "cuda", "--out", folder / "ck"]]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_device_cuda_without_cuda(runs):
+    folder, outs = runs("cuda")
+    for out in outs:
+        assert error(out).endswith(": error: --device cuda: this torch is built without CUDA "
+                                   f"(torch {torch.__version__}); use --device cpu")
+    assert os.listdir(folder) == []  # refused before anything was written
+
+
+@case
+def lr_inf(folder, tiny, sharded):
+    return [["train", "--lr", "inf", "--metrics-out", folder / "m.jsonl"]]
+
+
+def test_lr_inf_is_refused_before_training(runs):
+    folder, (out,) = runs("lr_inf")
+    assert error(out) == "glmkit train: error: --lr must be a finite number, got inf"
+    assert os.listdir(folder) == []
+
+
+@case
+def index_entry(folder, tiny, sharded):
+    return [["ckpt", "info", edit_index(copy_ckpt(sharded, folder / "ck"), 5)]]
+
+
+def test_index_entry_that_is_not_a_string(runs):
+    folder, (out,) = runs("index_entry")
+    assert error(out) == (f"glmkit ckpt: error: {folder}/ck/model.safetensors.index.json: weight_map entry for "
+                          f"tensor {UP_PROJ} is 5, expected a shard file name")
+
+
+@case
+def capture_out(folder, tiny, sharded):
+    (folder / "file").write_text("mine")
+    return [["capture", "--checkpoint", tiny, "--path", "train", "--out", folder / "file"]]
+
+
+def test_capture_out_is_checked_before_the_run(runs):
+    folder, (out,) = runs("capture_out")
+    assert error(out) == f"glmkit capture: error: --out {folder}/file: exists and is not a directory"
+    assert (folder / "file").read_text() == "mine" and out.stdout == ""
+
+
+@case
+def parity_json(folder, tiny, sharded):
+    (folder / "out").mkdir()
+    return [["parity", "--checkpoint", tiny, "--json", folder / "out"]]
+
+
+def test_parity_json_directory_is_refused_before_the_comparison(runs):
+    folder, (out,) = runs("parity_json")
+    assert error(out) == f"glmkit parity: error: --json {folder}/out: is a directory; give a file path"
+    assert out.stdout == ""  # nothing was compared
+
+
+@case
+def prompt_dir(folder, tiny, sharded):
+    return [["train", "--prompt-data", folder, "--metrics-out", folder / "m.jsonl"]]
+
+
+def test_prompt_data_directory(runs):
+    folder, (out,) = runs("prompt_dir")
+    assert error(out) == f"glmkit train: error: --prompt-data {folder}: is a directory; give a jsonl file"
+
+
+@case
+def truncated_capture(folder, tiny, sharded):
+    tensors = capture_dir(folder) / "tensors.safetensors"
+    tensors.write_bytes(tensors.read_bytes()[:-100])
+    return [["parity", "--checkpoint", tiny, "--paths", f"{folder}/cap,train"]]
+
+
+def test_truncated_capture(runs):
+    folder, (out,) = runs("truncated_capture")
+    assert error(out).startswith(f"glmkit parity: error: {folder}/cap/tensors.safetensors: not a readable "
+                                 f"safetensors file (truncated or corrupt)")
+
+
+@case
+def manifest_list(folder, tiny, sharded):
+    (capture_dir(folder) / "manifest.json").write_text("[1, 2]")
+    return [["parity", "--checkpoint", tiny, "--paths", f"{folder}/cap,train"]]
+
+
+def test_capture_manifest_not_an_object(runs):
+    folder, (out,) = runs("manifest_list")
+    assert error(out) == f"glmkit parity: error: {folder}/cap/manifest.json: expected a JSON object, found list"
+
+
+@case
+def synth_dot(folder, tiny, sharded):
+    (folder / "mine.txt").write_text("mine")
+    return [(["ckpt", "synth", "--variant", "tiny", "--out", ".", "--overwrite"], folder)]
+
+
+def test_synth_out_dot_overwrite(runs):
+    folder, (out,) = runs("synth_dot")
+    assert error(out) == ("glmkit ckpt: error: --out .: is the current directory or contains it; name a new "
+                          "directory")
+    assert os.listdir(folder) == ["mine.txt"]
+
+
+# ----------------------------------------------------------------------------- unclear messages
+
+
+@case
+def binary_prompts(folder, tiny, sharded):
+    (folder / "data.jsonl").write_bytes(b'\x8f\x00\xff binary\n\x01\x02{"prompt"\n')
+    return [["train", "--prompt-data", folder / "data.jsonl", "--metrics-out", folder / "m.jsonl"]]
+
+
+def test_binary_prompt_data_names_the_file_and_line(runs):
+    folder, (out,) = runs("binary_prompts")
+    assert error(out) == (f"glmkit train: error: --prompt-data {folder}/data.jsonl: no usable prompts (2 malformed "
+                          f"rows; first: line 1: not UTF-8 text (invalid byte 0x8f at position 1))")
+
+
+@case
+def resume_marker(folder, tiny, sharded):
+    (folder / "save").mkdir()
+    (folder / "save" / "latest_checkpointed_iteration.txt").write_text("latest\n")
+    return [["train", "--resume", "--save", folder / "save", "--metrics-out", folder / "m.jsonl"]]
+
+
+def test_resume_marker_that_is_not_a_number(runs):
+    folder, (out,) = runs("resume_marker")
+    assert error(out).startswith(f"glmkit train: error: {folder}/save/latest_checkpointed_iteration.txt: expected "
+                                 f"the latest iteration number, found 'latest'")
+
+
+@case
+def threshold(folder, tiny, sharded):
+    return [["parity", "--checkpoint", tiny, "--threshold", "rel_rms=abc"]]
+
+
+def test_threshold_that_is_not_a_number(runs):
+    _, (out,) = runs("threshold")
+    assert error(out) == "glmkit parity: error: --threshold 'rel_rms=abc': 'abc' is not a number"
+
+
+@case
+def rollout_sizes(folder, tiny, sharded):
+    return [["train", "--rollout-batch-size", "0", "--metrics-out", folder / "a.jsonl"],
+            ["train", "--rollout-max-response-len", "0", "--metrics-out", folder / "b.jsonl"]]
+
+
+def test_rollout_sizes_are_refused_before_the_model_loads(runs):
+    folder, (batch, response) = runs("rollout_sizes")
+    assert error(batch) == "glmkit train: error: argument --rollout-batch-size: must be >= 1, got 0"
+    assert error(response) == "glmkit train: error: --rollout-max-response-len must be >= 1, got 0"
+    assert "GRPO" not in batch.stderr + response.stderr and os.listdir(folder) == []  # no rollout started
+
+
+@case
+def flag_names(folder, tiny, sharded):
+    synth_checkpoint("tiny", 0, folder / "ck", progress=False)
+    return [["ckpt", "synth", "--variant", "tiny", "--out", folder / "ck"],
+            ["parity", "--checkpoint", tiny, "--seq-len", "1"],
+            ["check", "--checkpoint", tiny, "--decode-steps", "0", "--out", folder / "report"]]
+
+
+def test_messages_name_flags_not_python_arguments(runs):
+    folder, (exists, seq_len, steps) = runs("flag_names")
+    assert error(exists) == (f"glmkit ckpt: error: --out {folder}/ck: already exists and is not empty; pass "
+                             f"--overwrite to replace it")
+    assert error(seq_len) == ("glmkit parity: error: --batch must be >= 1 and --seq-len >= 2, got --batch 2, "
+                              "--seq-len 1")
+    assert error(steps) == "glmkit check: error: --decode-steps must be >= 2, got 0"
+
+
+# ----------------------------------------------------------------------------- safety
+
+
+@case
+def shard_paths(folder, tiny, sharded):
+    shutil.copy(sharded / "model-00001-of-00005.safetensors", folder / "outside.safetensors")
+    return [["ckpt", "info", edit_index(copy_ckpt(sharded, folder / "relative"), "../outside.safetensors")],
+            ["ckpt", "info", edit_index(copy_ckpt(sharded, folder / "absolute"), "/etc/passwd")]]
+
+
+def test_shard_paths_outside_the_checkpoint_are_refused_unopened(runs):
+    folder, outs = runs("shard_paths")
+    size = str(os.path.getsize(folder / "outside.safetensors"))
+    for out, name, shard in zip(outs, ("relative", "absolute"), ("../outside.safetensors", "/etc/passwd")):
+        assert error(out) == (f"glmkit ckpt: error: {folder}/{name}/model.safetensors.index.json: shard path "
+                              f"{shard!r} for tensor {UP_PROJ} is not a file name inside the checkpoint directory; "
+                              f"refused without opening it")
+        assert size not in out.stderr
+
+
+@case
+def overwrite_own(folder, tiny, sharded):
+    synth_checkpoint("tiny", 0, folder / "ck", progress=False)
+    return [["ckpt", "synth", "--variant", "tiny", "--seed", "1", "--out", folder / "ck", "--overwrite"]]
+
+
+def test_overwrite_replaces_a_directory_glmkit_wrote(runs):
+    folder, (out,) = runs("overwrite_own")
+    assert out.returncode == 0, out.stderr
+    now = open_checkpoint(folder / "ck").get(UP_PROJ)
+    assert torch.equal(now, synth_tensor(UP_PROJ, (128, 64), seed=1))
+    assert not torch.equal(now, synth_tensor(UP_PROJ, (128, 64), seed=0))
+    assert (folder / "ck" / MARKER).is_file() and os.listdir(folder) == ["ck"]  # marked again, nothing beside
+
+
+@case
+def overwrite_foreign(folder, tiny, sharded):
+    (folder / "mine").mkdir()
+    (folder / "mine" / "notes.txt").write_text("precious")
+    copy_ckpt(tiny, folder / "theirs")
+    return [["ckpt", "synth", "--variant", "tiny", "--out", folder / "mine", "--overwrite"],
+            ["ckpt", "slice", "--src", tiny, "--layers", "2", "--out", folder / "theirs", "--overwrite"]]
+
+
+def test_overwrite_keeps_a_directory_of_user_files(runs, tiny_ckpt):
+    """--overwrite on the user's own folder, or on a checkpoint glmkit did not mark (here one transformers
+    wrote): refused, every file still there."""
+    folder, outs = runs("overwrite_foreign")
+    for out, name in zip(outs, ("mine", "theirs")):
+        assert error(out).startswith(f"glmkit ckpt: error: --out {folder}/{name}: --overwrite replaces only a "
+                                     f"directory glmkit wrote (one with a {MARKER} file)")
+        assert error(out).endswith("remove it yourself or choose another directory")
+    assert os.listdir(folder / "mine") == ["notes.txt"] and (folder / "mine" / "notes.txt").read_text() == "precious"
+    assert sorted(os.listdir(folder / "theirs")) == sorted(os.listdir(tiny_ckpt))
+    assert len(open_checkpoint(folder / "theirs").text_keys()) == 132
+
+
+@case
+def dtypes(folder, tiny, sharded):
+    ints = rewrite_weights(copy_ckpt(tiny, folder / "ints"),
+                           lambda t: t.update({UP_PROJ: (t[UP_PROJ] * 10).to(torch.int64)}))
+    halves = rewrite_weights(copy_ckpt(tiny, folder / "halves"),
+                             lambda t: t.update({UP_PROJ: t[UP_PROJ].to(torch.float16)}))
+    return [["parity", "--checkpoint", ints, "--seq-len", "8", "--batch", "1"], ["ckpt", "info", halves]]
+
+
+def test_tensors_of_the_wrong_dtype(runs):
+    """Rule: integer / bool / float8 tensors are refused, naming them (parity no longer passes on them);
+    a float tensor in another dtype than the checkpoint's is cast on load with one warning naming it."""
+    folder, (refused, warned) = runs("dtypes")
+    assert error(refused) == (f"glmkit parity: error: {folder}/ints: 1 tensor not stored as bfloat16, float16 or "
+                              f"float32 (a cast would load wrong weights):\n  tensor {UP_PROJ} in model.safetensors "
+                              f"is int64")
+    assert warned.returncode == 0 and warned.stderr.count("warning") == 1, warned.stderr
+    assert warned.stderr == (f"glmkit ckpt: warning: {folder}/halves: 1 tensor stored in another dtype than the "
+                             f"checkpoint's float32, cast when loaded:\n  {UP_PROJ} (float16)\n")
+
+
+@case
+def staging(folder, tiny, sharded):
+    finished = subprocess.Popen([sys.executable, "-c", "pass"])
+    finished.wait()
+    host = socket.gethostname()
+    for name in (f".ck.tmp-{host}-{finished.pid}-abcdefgh",  # stale: its process is gone
+                 f".ck.tmp-{host}-{os.getpid()}-abcdefgh",  # live: this test process is running
+                 f".ck.tmp-{host}-{finished.pid}-unmarked",  # no marker: not known to be glmkit's
+                 f".other.tmp-{host}-{finished.pid}-abcdefgh"):  # another target's
+        (folder / name).mkdir()
+        (folder / name / "part-00000.safetensors").write_bytes(b"half written")
+        if not name.endswith("unmarked"):
+            (folder / name / MARKER).write_text("glmkit checkpoint\n")
+    return [["ckpt", "synth", "--variant", "tiny", "--out", folder / "ck"]]
+
+
+def test_stale_staging_directories_are_cleaned(runs):
+    """A killed write's staging directory (this host, its process gone) is removed by the next write to
+    the same place; a live writer's, an unmarked one and another target's are left alone."""
+    folder, (out,) = runs("staging")
+    assert out.returncode == 0, out.stderr
+    left = set(os.listdir(folder)) - {"ck"}
+    assert f".ck.tmp-{socket.gethostname()}-{os.getpid()}-abcdefgh" in left  # the live one stays
+    assert sorted(n.rsplit("-", 1)[1] for n in left if n.startswith(".ck.tmp-")) == ["abcdefgh", "unmarked"]
+    assert len([n for n in left if n.startswith(".other.tmp-")]) == 1 and len(left) == 3
+    assert len(open_checkpoint(folder / "ck").text_keys()) == 132
