@@ -198,7 +198,8 @@ def cmd_train(args) -> int:
     if args.rollout_url:
         from glmkit.serve.client import SGLangRollout
 
-        rollout = SGLangRollout(args.rollout_url, mode=args.weight_update, update_dir=args.weight_update_dir)
+        rollout = SGLangRollout(args.rollout_url, mode=args.weight_update, update_dir=args.weight_update_dir,
+                                master=args.weight_update_master)
         rollout.client.health()  # an unreachable server fails here, before the model loads
     trainer = GRPOTrainer(_train_config(args), rollout=rollout)
     cfg = trainer.cfg
@@ -502,8 +503,11 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--rollout-url", metavar="URL",
                        help="generate on a server speaking SGLang's native API (an SGLang server or glmkit serve) "
                             "instead of in this process; weights are pushed to it after every optimizer step")
-        p.add_argument("--weight-update", default="tensor", choices=["tensor", "disk"],
-                       help="with --rollout-url: push weights in the request (tensor) or as a directory (disk)")
+        p.add_argument("--weight-update", default="tensor", choices=["tensor", "disk", "distributed"],
+                       help="with --rollout-url: push weights in the request (tensor), as a directory (disk), or "
+                            "broadcast over a weights-update process group (distributed: gloo / nccl)")
+        p.add_argument("--weight-update-master", metavar="HOST:PORT",
+                       help="with --weight-update distributed: the rendezvous address (this process is rank 0)")
         p.add_argument("--weight-update-dir", metavar="DIR",
                        help="with --weight-update disk: where the update directory is written (the server "
                             "must allow it with --allow-updates-from)")

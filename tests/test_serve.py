@@ -295,8 +295,10 @@ def test_killed_server_gives_a_clear_error_and_a_retry_after_restart_works():
 def test_client_refuses_bad_settings():
     with pytest.raises(ValueError, match="must start with http:// or https://"):
         SGLangClient("127.0.0.1:30000")
-    with pytest.raises(ValueError, match="weight update mode 'ipc'; allowed: tensor, disk"):
+    with pytest.raises(ValueError, match="weight update mode 'ipc'; allowed: tensor, disk, distributed"):
         SGLangRollout("http://127.0.0.1:1", mode="ipc")
+    with pytest.raises(ValueError, match="needs --weight-update-master HOST:PORT, got 'nowhere'"):
+        SGLangRollout("http://127.0.0.1:1", mode="distributed", master="nowhere")
 
 
 def test_parity_against_the_server_path(server, tmp_path):
@@ -369,3 +371,75 @@ def test_lora_grpo_pushes_merged_weights_through_a_directory(tmp_path):
     assert any(r["train/grad_norm"] > 0 for r in train_rows[:2])  # the adapters moved before rollout 1
     assert (updates_root / "glmkit-update" / "weights.safetensors").is_file()
     assert not [p for p in updates_root.iterdir() if ".tmp-" in p.name or ".old-" in p.name]
+
+
+def test_weights_update_group_broadcasts_new_weights():
+    """The framework's NCCL path with gloo on the CPU: this test process is the trainer (rank 0), the
+    server joins the group (rank 1) and receives the broadcast; the log-probs follow the new weights
+    exactly as they follow an HTTP tensor update. A server of its own: one group per process."""
+    import socket
+
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+
+    server = Server()
+    try:
+        client = SGLangClient(server.url)
+        with pytest.raises(SGLangError, match="HTTP 400: no weights-update group 'weight_update_group'"):
+            client._call("POST", "/update_weights_from_distributed",
+                         {"names": ["lm_head.weight"], "dtypes": ["float32"], "shapes": [[1024, 64]]})
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        joined = client.init_weights_update_group("127.0.0.1", port, world_size=2, rank_offset=1, backend="gloo",
+                                                  timeout_s=60)
+        assert joined["success"] and "rank 1 of 2 (gloo)" in joined["message"]
+        seq = list(range(10, 30))
+
+        def logprobs():
+            meta = client.generate(input_ids=seq, sampling_params={"max_new_tokens": 0}, return_logprob=True,
+                                   logprob_start_len=1)["meta_info"]
+            return torch.tensor([lp for lp, _, _ in meta["input_token_logprobs"]]), meta["weight_version"]
+
+        base, _ = logprobs()
+        head = load_file(str(CKPT / "model.safetensors"))["lm_head.weight"]
+        moved = client.update_weights_from_distributed({"lm_head.weight": head * 1.5}, weight_version="nccl-1")
+        assert moved["success"] and moved["weight_version"] == "nccl-1"
+        scaled, version = logprobs()
+        assert version == "nccl-1" and (scaled - base).abs().max() > 1e-2
+        client.update_weights_from_distributed({"lm_head.weight": head})
+        assert (logprobs()[0] - base).abs().max() < 1e-6  # the broadcast carries the exact bits
+        again = requests.post(server.url + "/init_weights_update_group", json={
+            "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+            "backend": "gloo"}, timeout=30)
+        assert again.status_code == 400 and "already joined" in again.json()["error"]["message"]
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        server.kill()
+
+
+def test_grpo_syncs_weights_over_the_update_group(tmp_path):
+    """`glmkit train --weight-update distributed`: the trainer broadcasts every step's weights to the
+    server over gloo; the rollouts then score like the trainer (fp32, same code both sides)."""
+    import socket
+
+    server = Server()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    metrics = tmp_path / "metrics.jsonl"
+    try:
+        run = subprocess.run([sys.executable, "-m", "glmkit", "train", "--model-name", "tiny", "--num-rollout", "2",
+                              "--rollout-batch-size", "4", "--n-samples-per-prompt", "4", "--global-batch-size", "8",
+                              "--rollout-max-response-len", "16", "--rollout-url", server.url, "--enable-r3",
+                              "--weight-update", "distributed", "--weight-update-master", f"127.0.0.1:{port}",
+                              "--metrics-out", str(metrics)], capture_output=True, text=True, cwd=ROOT, timeout=600)
+        version = SGLangClient(server.url).model_info()["weight_version"]
+    finally:
+        server.kill()
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    train_rows = [r for r in map(json.loads, metrics.read_text().splitlines()) if "train/step" in r]
+    assert len(train_rows) == 4 and all(r["train/train_rollout_logprob_abs_diff"] < 1e-4 for r in train_rows)
+    assert any(r["train/grad_norm"] > 0 for r in train_rows[:2])
+    assert version == "2"  # one sync after each rollout's optimizer steps

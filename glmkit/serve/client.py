@@ -94,6 +94,72 @@ class SGLangClient:
             "serialized_named_tensors": [base64.b64encode(blob).decode("ascii")], "load_format": "safetensors",
             "weight_version": weight_version})
 
+    def init_weights_update_group(self, master_address: str, master_port: int, world_size: int = 2,
+                                  rank_offset: int = 1, backend: str = "gloo",
+                                  group_name: str = "weight_update_group", timeout_s: float = 300.0) -> dict:
+        """Make this process rank 0 of a new process group that the server joins (as the framework's
+        trainer does with SGLang), for `update_weights_from_distributed`. Both sides rendezvous at
+        master_address:master_port; this process's default torch.distributed group becomes that group."""
+        import datetime
+        import threading
+
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            raise ValueError("this process already has a torch.distributed group; one weights-update group each")
+        answer, error = {}, []
+
+        def ask():
+            try:
+                answer.update(self._call("POST", "/init_weights_update_group", {
+                    "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+                    "world_size": world_size, "group_name": group_name, "backend": backend,
+                    "timeout_s": timeout_s}))
+            except Exception as err:  # noqa: BLE001 - re-raised below, in the caller's thread
+                error.append(err)
+
+        asking = threading.Thread(target=ask)
+        asking.start()
+        dist.init_process_group(backend, init_method=f"tcp://{master_address}:{master_port}", world_size=world_size,
+                                rank=0, timeout=datetime.timedelta(seconds=timeout_s))
+        asking.join()
+        if error:
+            dist.destroy_process_group()
+            raise error[0]
+        self.update_group = group_name
+        return answer
+
+    def update_weights_from_distributed(self, tensors: dict, weight_version: str | None = None) -> dict:
+        """Announce names, dtypes and shapes over HTTP and broadcast the tensors from rank 0 meanwhile."""
+        import threading
+
+        import torch.distributed as dist
+
+        group = getattr(self, "update_group", None)
+        if group is None:
+            raise ValueError("call init_weights_update_group first")
+        device = "cpu" if dist.get_backend() == "gloo" else "cuda"
+        ordered = [(name, t.detach().to(device).contiguous()) for name, t in tensors.items()]
+        answer, error = {}, []
+
+        def ask():
+            try:
+                answer.update(self._call("POST", "/update_weights_from_distributed", {
+                    "names": [n for n, _ in ordered], "dtypes": [str(t.dtype).replace("torch.", "") for _, t in ordered],
+                    "shapes": [list(t.shape) for _, t in ordered], "group_name": group,
+                    "weight_version": weight_version}))
+            except Exception as err:  # noqa: BLE001 - re-raised below
+                error.append(err)
+
+        asking = threading.Thread(target=ask)
+        asking.start()
+        for _, t in ordered:
+            dist.broadcast(t, src=0)
+        asking.join()
+        if error:
+            raise error[0]
+        return answer
+
     def update_weights_from_disk(self, path: str | os.PathLike, weight_version: str | None = None) -> dict:
         return self._call("POST", "/update_weights_from_disk", {"model_path": str(path),
                                                                "weight_version": weight_version})
@@ -139,13 +205,24 @@ class SGLangRollout:
     `load` pushes every trainable tensor after an optimizer step; with LoRA the adapters are merged
     into their base projections first (W + B A * alpha / r, from `policy`), so the server needs no
     LoRA support. mode "tensor" sends them in the request body; "disk" writes an atomically renamed
-    directory under `update_dir` (the server must allow it with --allow-updates-from)."""
+    directory under `update_dir` (the server must allow it with --allow-updates-from); "distributed"
+    broadcasts them over a weights-update process group (`master` HOST:PORT, this process rank 0;
+    gloo on the CPU, nccl on GPUs), as the framework does."""
 
-    def __init__(self, url: str, policy=None, mode: str = "tensor", update_dir: str | None = None, **client_options):
-        if mode not in ("tensor", "disk"):
-            raise ValueError(f"weight update mode {mode!r}; allowed: tensor, disk")
+    MODES = ("tensor", "disk", "distributed")
+
+    def __init__(self, url: str, policy=None, mode: str = "tensor", update_dir: str | None = None,
+                 master: str | None = None, **client_options):
+        if mode not in self.MODES:
+            raise ValueError(f"weight update mode {mode!r}; allowed: {', '.join(self.MODES)}")
         if mode == "disk" and not update_dir:
-            raise ValueError("weight update mode 'disk' needs an update directory")
+            raise ValueError("weight update mode 'disk' needs an update directory (--weight-update-dir)")
+        if mode == "distributed":
+            host, _, port = (master or "").rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"weight update mode 'distributed' needs --weight-update-master HOST:PORT, "
+                                 f"got {master!r}")
+        self.master = master
         self.client = SGLangClient(url, **client_options)
         self.policy, self.mode, self.update_dir, self.version = policy, mode, update_dir, 0
         self.max_batch = None
@@ -208,6 +285,12 @@ class SGLangRollout:
         tensors = self.merged(tensors)
         if self.mode == "tensor":
             self.client.update_weights_from_tensor(tensors, weight_version=str(self.version))
+        elif self.mode == "distributed":
+            if getattr(self.client, "update_group", None) is None:
+                host, _, port = self.master.rpartition(":")
+                backend = "nccl" if any(t.is_cuda for t in tensors.values()) else "gloo"
+                self.client.init_weights_update_group(host, int(port), backend=backend)
+            self.client.update_weights_from_distributed(tensors, weight_version=str(self.version))
         else:
             path = write_weights_dir(tensors, self.update_dir, "glmkit-update")
             self.client.update_weights_from_disk(path, weight_version=str(self.version))

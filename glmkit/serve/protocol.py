@@ -99,6 +99,41 @@ class UpdateFromTensor(BaseModel):
     abort_all_requests: bool = False
 
 
+class InitWeightsUpdateGroup(BaseModel):
+    """The trainer is rank 0 of a new process group; this server joins as rank `rank_offset`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    master_address: str
+    master_port: int = Field(ge=1, le=65535)
+    rank_offset: int = Field(ge=1)
+    world_size: int = Field(ge=2)
+    group_name: str = "weight_update_group"
+    backend: Literal["nccl", "gloo"] = "nccl"
+    timeout_s: float = Field(300.0, gt=0, allow_inf_nan=False)
+
+
+class UpdateFromDistributed(BaseModel):
+    """Tensors broadcast from rank 0 of the weights-update group, in this order."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    names: list[str] = Field(min_length=1)
+    dtypes: list[str]
+    shapes: list[list[Annotated[int, Field(ge=0)]]]
+    group_name: str = "weight_update_group"
+    weight_version: str | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+
+    @model_validator(mode="after")
+    def _aligned(self):
+        if not len(self.names) == len(self.dtypes) == len(self.shapes):
+            raise ValueError(f"names, dtypes and shapes differ in length ({len(self.names)}, {len(self.dtypes)}, "
+                             f"{len(self.shapes)})")
+        return self
+
+
 class AbortRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 

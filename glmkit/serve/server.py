@@ -66,6 +66,7 @@ class EngineService:
         self.weight_version = "default"
         self.updates = 0
         self.batches_run = self.requests_run = 0
+        self.update_group = None
         self.seeds = itertools.count(1)
         config = model.config
         self.moe_layers = [b.layer for b in model.layers if b.is_moe]
@@ -218,6 +219,44 @@ class EngineService:
         self.updates += 1
         self.weight_version = version if version is not None else str(self.updates)
         return f"updated {len(tensors)} tensor(s); weight_version {self.weight_version}"
+
+    def join_update_group(self, body) -> str:
+        """Join the trainer's weights-update process group (the trainer is rank 0)."""
+        import datetime
+        import os
+
+        import torch.distributed as dist
+
+        if self.update_group is not None or dist.is_initialized():
+            raise BadRequest(f"this server already joined a weights-update group ({self.update_group})")
+        if body.rank_offset >= body.world_size:
+            raise BadRequest(f"rank_offset {body.rank_offset} must be below world_size {body.world_size}")
+        if body.backend == "nccl":
+            if not torch.cuda.is_available():
+                raise BadRequest("backend nccl needs CUDA; this server has none (use gloo)")
+            os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off (shared hosts)
+        dist.init_process_group(body.backend, init_method=f"tcp://{body.master_address}:{body.master_port}",
+                                world_size=body.world_size, rank=body.rank_offset,
+                                timeout=datetime.timedelta(seconds=body.timeout_s))
+        self.update_group = body.group_name
+        return f"joined {body.group_name} as rank {body.rank_offset} of {body.world_size} ({body.backend})"
+
+    def receive_broadcast(self, body) -> dict:
+        """The tensors rank 0 broadcasts, allocated from the announced dtypes and shapes."""
+        import torch.distributed as dist
+
+        if self.update_group is None or body.group_name != self.update_group:
+            raise BadRequest(f"no weights-update group {body.group_name!r} (call /init_weights_update_group first)")
+        device = self.model.device if dist.get_backend() == "nccl" else "cpu"
+        tensors = {}
+        for name, dtype, shape in zip(body.names, body.dtypes, body.shapes):
+            kind = getattr(torch, dtype.replace("torch.", ""), None)
+            if not isinstance(kind, torch.dtype):
+                raise BadRequest(f"tensor {name!r}: unknown dtype {dtype!r}")
+            tensors[name] = torch.empty(shape, dtype=kind, device=device)
+        for t in tensors.values():  # the order is the request's: rank 0 sends in the same order
+            dist.broadcast(t, src=0)
+        return tensors
 
     def tensors_from_blobs(self, blobs: list[str]) -> dict:
         from safetensors.torch import load
@@ -510,6 +549,19 @@ def build_app(service: EngineService, window_s: float = 0.005):
         if body.abort_all_requests:
             batcher.abort(None, True)
         tensors = service.tensors_from_blobs(body.serialized_named_tensors)
+        message = await batcher.call(service.load_tensors, tensors, body.weight_version)
+        return {"success": True, "message": message, "weight_version": service.weight_version}
+
+    @app.post("/init_weights_update_group")
+    async def init_update_group(body: protocol.InitWeightsUpdateGroup):
+        message = await batcher.call(service.join_update_group, body)
+        return {"success": True, "message": message}
+
+    @app.post("/update_weights_from_distributed")
+    async def update_from_distributed(body: protocol.UpdateFromDistributed):
+        if body.abort_all_requests:
+            batcher.abort(None, True)
+        tensors = await batcher.call(service.receive_broadcast, body)
         message = await batcher.call(service.load_tensors, tensors, body.weight_version)
         return {"success": True, "message": message, "weight_version": service.weight_version}
 
