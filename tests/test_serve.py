@@ -24,7 +24,6 @@ import torch
 
 from glmkit.model import RolloutEngine, load_model
 from glmkit.model.rollout import SamplingParams
-from glmkit.rl.tokenizer import TINY_TOKENIZER  # noqa: F401 - the shipped tokenizer the checkpoint carries
 from glmkit.serve.client import SGLangClient, SGLangError, SGLangRollout, decode_layers, write_weights_dir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -79,6 +78,21 @@ def local_engine():
 
 def post(server, path, body):
     return requests.post(server.url + path, json=body, timeout=60)
+
+
+def teacher_logprobs(client, seq=tuple(range(10, 30))):
+    """The server's teacher-forced log-probs of tokens 1.. of `seq`, and its weight_version."""
+    meta = client.generate(input_ids=list(seq), sampling_params={"max_new_tokens": 0}, return_logprob=True,
+                           logprob_start_len=1)["meta_info"]
+    return torch.tensor([lp for lp, _, _ in meta["input_token_logprobs"]]), meta["weight_version"]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def test_generate_answers_in_sglang_shapes(server):
@@ -223,12 +237,9 @@ def test_weight_updates_change_the_logprobs(server, updates_root, tmp_path):
     from safetensors.torch import load_file
 
     client = SGLangClient(server.url)
-    seq = list(range(10, 30))
 
     def logprobs():
-        meta = client.generate(input_ids=seq, sampling_params={"max_new_tokens": 0}, return_logprob=True,
-                               logprob_start_len=1)["meta_info"]
-        return torch.tensor([lp for lp, _, _ in meta["input_token_logprobs"]]), meta["weight_version"]
+        return teacher_logprobs(client)
 
     base, version = logprobs()
     head = load_file(str(CKPT / "model.safetensors"))["lm_head.weight"]
@@ -377,8 +388,6 @@ def test_weights_update_group_broadcasts_new_weights():
     """The framework's NCCL path with gloo on the CPU: this test process is the trainer (rank 0), the
     server joins the group (rank 1) and receives the broadcast; the log-probs follow the new weights
     exactly as they follow an HTTP tensor update. A server of its own: one group per process."""
-    import socket
-
     import torch.distributed as dist
     from safetensors.torch import load_file
 
@@ -388,18 +397,13 @@ def test_weights_update_group_broadcasts_new_weights():
         with pytest.raises(SGLangError, match="HTTP 400: no weights-update group 'weight_update_group'"):
             client._call("POST", "/update_weights_from_distributed",
                          {"names": ["lm_head.weight"], "dtypes": ["float32"], "shapes": [[1024, 64]]})
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         joined = client.init_weights_update_group("127.0.0.1", port, world_size=2, rank_offset=1, backend="gloo",
                                                   timeout_s=60)
         assert joined["success"] and "rank 1 of 2 (gloo)" in joined["message"]
-        seq = list(range(10, 30))
 
         def logprobs():
-            meta = client.generate(input_ids=seq, sampling_params={"max_new_tokens": 0}, return_logprob=True,
-                                   logprob_start_len=1)["meta_info"]
-            return torch.tensor([lp for lp, _, _ in meta["input_token_logprobs"]]), meta["weight_version"]
+            return teacher_logprobs(client)
 
         base, _ = logprobs()
         head = load_file(str(CKPT / "model.safetensors"))["lm_head.weight"]
@@ -422,12 +426,8 @@ def test_weights_update_group_broadcasts_new_weights():
 def test_grpo_syncs_weights_over_the_update_group(tmp_path):
     """`glmkit train --weight-update distributed`: the trainer broadcasts every step's weights to the
     server over gloo; the rollouts then score like the trainer (fp32, same code both sides)."""
-    import socket
-
     server = Server()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     metrics = tmp_path / "metrics.jsonl"
     try:
         run = subprocess.run([sys.executable, "-m", "glmkit", "train", "--model-name", "tiny", "--num-rollout", "2",
