@@ -350,7 +350,13 @@ def main(argv=None):
             add({"row": name, "tokens": tokens, "glmkit": {"status": "not run (time budget)"}})
             return
         g = ours()
-        r = theirs() if with_reference(name) else None
+        if with_reference(name):  # glmkit's side is on disk before the reference's first call compiles
+            results["rows"].append({"row": name, "tokens": tokens, "glmkit": g, "reference": {"status": "running"}})
+            save()
+            r = theirs()
+            results["rows"].pop()
+        else:
+            r = None
         entry = {"row": name, "tokens": tokens, "glmkit": g, "reference": r, **extra}
         for side, m in (("glmkit", g), ("reference", r)):
             if m and m.get("status") == "ok":
