@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
 import pytest
 import ray
@@ -124,8 +125,15 @@ def test_a_dead_rollout_actor_is_reported_by_name(head):
         alive, doomed = Sleeper.remote(), Sleeper.remote()
         ray.get([alive.load.remote({}), doomed.load.remote({})])
         ray.kill(doomed)
-        with pytest.raises(ray.exceptions.RayActorError):  # ray.kill is asynchronous: wait for the death
-            ray.get(doomed.load.remote({}), timeout=60)
+        # ray.kill is asynchronous: a call made right after it may still be served; wait for the death
+        deadline = time.time() + 60
+        while True:
+            try:
+                ray.get(doomed.load.remote({}), timeout=60)
+            except ray.exceptions.RayActorError:
+                break
+            assert time.time() < deadline, "the killed actor still answers 60 s after ray.kill"
+            time.sleep(0.2)
         with pytest.raises(RuntimeError, match="rollout actor\\(s\\) died: glmkit-rollout-1"):
             RayRollout([alive, doomed], ["glmkit-rollout-0", "glmkit-rollout-1"]).generate([[1], [2]], None, 0)
     finally:
