@@ -87,6 +87,20 @@ def teacher_logprobs(client, seq=tuple(range(10, 30))):
     return torch.tensor([lp for lp, _, _ in meta["input_token_logprobs"]]), meta["weight_version"]
 
 
+def push_scaled_head(client, push, version):
+    """Push lm_head x 1.5 with `push` (an update method of the client); the teacher-forced log-probs
+    must move and report `version`. -> (log-probs before, the checkpoint's lm_head)."""
+    from safetensors.torch import load_file
+
+    base, _ = teacher_logprobs(client)
+    head = load_file(str(CKPT / "model.safetensors"))["lm_head.weight"]
+    moved = push({"lm_head.weight": head * 1.5}, weight_version=version)
+    assert moved["success"] and moved["weight_version"] == version
+    scaled, reported = teacher_logprobs(client)
+    assert reported == version and (scaled - base).abs().max() > 1e-2
+    return base, head
+
+
 def free_port() -> int:
     import socket
 
@@ -234,19 +248,12 @@ def test_abort_ends_a_running_request(server):
 
 
 def test_weight_updates_change_the_logprobs(server, updates_root, tmp_path):
-    from safetensors.torch import load_file
-
     client = SGLangClient(server.url)
 
     def logprobs():
         return teacher_logprobs(client)
 
-    base, version = logprobs()
-    head = load_file(str(CKPT / "model.safetensors"))["lm_head.weight"]
-    moved = client.update_weights_from_tensor({"lm_head.weight": head * 1.5}, weight_version="tensor-1")
-    assert moved["success"] and moved["weight_version"] == "tensor-1"
-    scaled, version = logprobs()
-    assert version == "tensor-1" and (scaled - base).abs().max() > 1e-2
+    base, head = push_scaled_head(client, client.update_weights_from_tensor, "tensor-1")
 
     path = write_weights_dir({"lm_head.weight": head}, updates_root, "restore")
     assert client.update_weights_from_disk(path, weight_version="disk-1")["weight_version"] == "disk-1"
@@ -389,7 +396,6 @@ def test_weights_update_group_broadcasts_new_weights():
     server joins the group (rank 1) and receives the broadcast; the log-probs follow the new weights
     exactly as they follow an HTTP tensor update. A server of its own: one group per process."""
     import torch.distributed as dist
-    from safetensors.torch import load_file
 
     server = Server()
     try:
@@ -402,17 +408,9 @@ def test_weights_update_group_broadcasts_new_weights():
                                                   timeout_s=60)
         assert joined["success"] and "rank 1 of 2 (gloo)" in joined["message"]
 
-        def logprobs():
-            return teacher_logprobs(client)
-
-        base, _ = logprobs()
-        head = load_file(str(CKPT / "model.safetensors"))["lm_head.weight"]
-        moved = client.update_weights_from_distributed({"lm_head.weight": head * 1.5}, weight_version="nccl-1")
-        assert moved["success"] and moved["weight_version"] == "nccl-1"
-        scaled, version = logprobs()
-        assert version == "nccl-1" and (scaled - base).abs().max() > 1e-2
+        base, head = push_scaled_head(client, client.update_weights_from_distributed, "nccl-1")
         client.update_weights_from_distributed({"lm_head.weight": head})
-        assert (logprobs()[0] - base).abs().max() < 1e-6  # the broadcast carries the exact bits
+        assert (teacher_logprobs(client)[0] - base).abs().max() < 1e-6  # the broadcast carries the exact bits
         again = requests.post(server.url + "/init_weights_update_group", json={
             "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
             "backend": "gloo"}, timeout=30)

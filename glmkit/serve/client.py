@@ -14,10 +14,9 @@ import shutil
 import time
 from pathlib import Path
 
+import numpy as np
 import requests
 import torch
-
-from glmkit.serve import protocol
 
 
 class SGLangError(ConnectionError):
@@ -192,9 +191,11 @@ def decode_layers(meta: dict, key: str, tokens: int) -> dict:
     if layers is None:
         raise SGLangError(f"the answer's meta_info has {key} but not {key}_layers: glmkit needs the layer list "
                           f"(glmkit serve sends it)")
-    flat = base64.b64decode(meta[key])
-    width = len(flat) // 4 // max(1, tokens * len(layers))
-    array = protocol.decode_int32(meta[key], (tokens, len(layers), width))
+    flat = np.frombuffer(base64.b64decode(meta[key]), dtype=np.int32)
+    width = flat.size // max(1, tokens * len(layers))
+    if flat.size != tokens * len(layers) * width:
+        raise SGLangError(f"meta_info {key} holds {flat.size} values: not {tokens} tokens x {len(layers)} layers x k")
+    array = flat.reshape(tokens, len(layers), width)
     return {int(layer): torch.from_numpy(array[:, i].astype("int64")) for i, layer in enumerate(layers)}
 
 

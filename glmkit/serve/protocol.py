@@ -145,14 +145,6 @@ def encode_int32(array: torch.Tensor | np.ndarray) -> str:
     return base64.b64encode(np.ascontiguousarray(np.asarray(array, dtype=np.int32)).tobytes()).decode("ascii")
 
 
-def decode_int32(text: str, shape: tuple) -> np.ndarray:
-    """Inverse of encode_int32; the shape comes from the answer's token count and layer list."""
-    flat = np.frombuffer(base64.b64decode(text), dtype=np.int32)
-    if flat.size != int(np.prod(shape)):
-        raise ValueError(f"encoded array has {flat.size} values; expected shape {tuple(shape)}")
-    return flat.reshape(shape)
-
-
 def stack_layers(per_layer: dict, layers: list, fill: int = -1) -> np.ndarray:
     """{layer: [tokens, w]} -> int32 [tokens, len(layers), max w] (narrower rows padded with `fill`)."""
     width = max(per_layer[layer].shape[1] for layer in layers)
