@@ -105,11 +105,10 @@ class RolloutEngine:
 
     @torch.no_grad()
     def generate(self, prompts, params: SamplingParams, seed: int = 0, record_routing: bool = False,
-                 record_topk: bool = False, cancelled=None) -> list[Completion]:
+                 record_topk: bool = False) -> list[Completion]:
         """Sample a completion for every prompt (batched, different lengths). With record_routing,
         each completion carries the experts its tokens were routed to (for routing replay); with
-        record_topk, the DSA positions they selected (for top-k replay). `cancelled(i)`, asked after
-        every sampled token, ends request i there (finish_reason "abort")."""
+        record_topk, the DSA positions they selected (for top-k replay)."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("generate needs at least one prompt and every prompt needs at least one token")
         generator = torch.Generator(device=self.model.device).manual_seed(seed)
@@ -142,10 +141,6 @@ class RolloutEngine:
             for i in finished.nonzero().flatten().tolist():
                 done[i].finish_reason = "stop"
             active &= ~finished
-            for i in (live if cancelled is not None else ()):
-                if bool(active[i]) and cancelled(i):
-                    done[i].finish_reason = "abort"
-                    active[i] = False
             if not active.any() or step == params.max_new_tokens - 1:
                 break
             feeding = active.nonzero().flatten().tolist()
@@ -167,11 +162,11 @@ class RolloutEngine:
     @torch.no_grad()
     def generate_continuous(self, prompts, params: SamplingParams, max_batch: int, seed: int = 0,
                             max_new_tokens: list | None = None, record_routing: bool = False,
-                            record_topk: bool = False, cancelled=None) -> list[Completion]:
+                            record_topk: bool = False) -> list[Completion]:
         """Continuous batching over `max_batch` cache slots (a SlotBatch): requests join when a slot
         frees (those joining together are prefilled together, between decode steps) and leave when
         they finish (stop token or their length limit: `max_new_tokens[i]`, else params').
-        Completions as `generate`, in the order of `prompts`; `cancelled(i)` as there."""
+        Completions as `generate`, in the order of `prompts`."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("generate needs at least one prompt and every prompt needs at least one token")
         if max_batch < 1:
@@ -180,8 +175,7 @@ class RolloutEngine:
         if len(limits) != len(prompts) or any(int(n) < 1 for n in limits):
             raise ValueError(f"max_new_tokens needs one limit >= 1 per prompt ({len(prompts)} prompts), got {limits}")
         capacity = max(len(p) + n for p, n in zip(prompts, limits))
-        slots = SlotBatch(self, min(max_batch, len(prompts)), capacity, params, seed, record_routing, record_topk,
-                          cancelled)
+        slots = SlotBatch(self, min(max_batch, len(prompts)), capacity, params, seed, record_routing, record_topk)
         waiting, done = deque(range(len(prompts))), [None] * len(prompts)
         while waiting or slots.busy:
             joining = [waiting.popleft() for _ in range(min(slots.free, len(waiting)))]
