@@ -8,7 +8,8 @@
 For each row, after one warm-up call (compiles and autotune stay out): the wall time of one call,
 the forward's split by module (CUDA events around every block's attention, indexer, MLP and the
 LM head; "mhc+norms" is the block's remainder), and the kernels that took the most GPU time over one
-call (torch.profiler), grouped by name. Tables print; with --out, a JSON of the same numbers.
+call (torch.profiler), grouped by name, and where the call waits for the GPU (host syncs, by the
+Python line that asked). Tables print; with --out, a JSON of the same numbers.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import argparse
 import json
 import sys
 import time
+import warnings
 from collections import defaultdict
 from pathlib import Path
 
@@ -96,6 +98,24 @@ def kernel_table(fn, top: int):
     return sum(totals.values()), [(name, ms, counts[name]) for name, ms in ranked[:top]]
 
 
+def host_syncs(fn) -> dict:
+    """Where one call waits for the GPU (a .item(), a device-to-host copy, a blocking host-to-device
+    copy): torch's sync debug mode warns at each; counted by the Python line that asked."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+            torch.cuda.synchronize()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    where = defaultdict(int)
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            where[f"{Path(w.filename).name}:{w.lineno}"] += 1
+    return dict(where)
+
+
 def print_kernels(title, total, rows):
     print(f"\n{title}: GPU kernel time {total:.1f} ms")
     for name, ms, n in rows:
@@ -150,14 +170,18 @@ def main(argv=None):
         modules = split_by_module(timer.totals())
         timer.remove()
         total, kernels = kernel_table(fn, args.top)
+        syncs = host_syncs(fn)
         print(f"\n== {row} T={t}: {wall:.1f} ms per call ({t / wall * 1e3:.0f} tok/s), peak {peak:.1f} GiB, "
               f"first call {first:.1f} s")
         print("forward split by module (ms):")
         for label, ms in sorted(modules.items()):
             print(f"  {label:28s} {ms:8.2f}")
         print_kernels(f"{row} T={t}", total, kernels)
+        print(f"host syncs in one call: {sum(syncs.values())}")
+        for where, n in sorted(syncs.items(), key=lambda kv: -kv[1])[:args.top]:
+            print(f"  x{n:<4d} {where}")
         report[row] = {"tokens": t, "ms": wall, "peak_gib": peak, "first_s": first, "modules_ms": modules,
-                       "kernel_ms": total, "kernels": kernels}
+                       "kernel_ms": total, "kernels": kernels, "host_syncs": syncs}
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "profile.json").write_text(json.dumps(report, indent=1))

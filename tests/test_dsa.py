@@ -111,6 +111,41 @@ def test_indexer_selection_does_not_depend_on_the_block_size(monkeypatch):
     assert torch.equal(ind.select_packed(x, q_resid, packed), want)
 
 
+@pytest.mark.parametrize("budget", [None, 1, 700])
+def test_packed_selection_and_caches_equal_each_sequence_alone(monkeypatch, budget):
+    """All sequences of a packed batch go through the indexer together (rows of unequal sequences
+    batched per block). Each sequence's selection, scores and decode cache must be what it gets
+    alone: lengths below, at and above the pool size, unequal, not sorted; budgets of one row per
+    block and of blocks that cut the batch at odd positions. Selections exactly equal; scores and
+    caches to 1e-6 (the projections and scores are fp32 GEMMs over other row counts, which block
+    their sums differently: seen 1.2e-7)."""
+    from glmkit.model import indexer as indexer_module
+
+    if budget is not None:
+        monkeypatch.setattr(indexer_module, "_SCORE_BUDGET", budget)
+    config = variant_config("tiny", index_kpool=4, index_topk=8)
+    ind = randomize(LightningIndexer(config))
+    lengths = [23, 3, 41, 4, 1, 17]
+    T = sum(lengths)
+    g = torch.Generator().manual_seed(1)
+    x, q_resid = torch.randn(T, 64, generator=g), torch.randn(T, config.q_lora_rank, generator=g)
+    packed = Packed.from_lengths(lengths)
+    state, got_scores = ind.empty_state(len(lengths), 48, torch.float32, "cpu"), []
+    got = ind.select_packed(x, q_resid, packed, state, got_scores.append)
+    (got_scores,) = got_scores
+    assert got_scores.shape == (T, max(lengths) // 4)
+    for n, (start, end) in enumerate(packed.bounds()):
+        alone, alone_scores = ind.empty_state(1, 48, torch.float32, "cpu"), []
+        want = ind.select_packed(x[start:end], q_resid[start:end], Packed.from_lengths([end - start]), alone,
+                                 alone_scores.append)
+        assert torch.equal(got[start:end], torch.where(want >= 0, want + start, want)), n
+        width = alone_scores[0].shape[1]
+        torch.testing.assert_close(got_scores[start:end, :width], alone_scores[0], rtol=1e-6, atol=1e-6)
+        assert torch.isneginf(got_scores[start:end, width:]).all()
+        for field in ("keys", "gates", "pools"):
+            torch.testing.assert_close(getattr(state, field)[n], getattr(alone, field)[0], rtol=1e-6, atol=1e-6)
+
+
 def test_topk_breaks_ties_by_lower_index_like_a_stable_sort():
     g = torch.Generator().manual_seed(0)
     scores = torch.randint(-3, 4, (200, 37), generator=g).float() * 0.5  # many exact ties, negatives

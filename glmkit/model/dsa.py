@@ -89,8 +89,7 @@ class SparseMLA(nn.Module):
         runs, to fill caches, report its own choice and its scores to `on_scores`)."""
         q_resid, q, latent = self._project(x)
         if state is not None:
-            for n, (start, end) in enumerate(packed.bounds()):
-                state.latent[n, :end - start] = latent[start:end]
+            state.latent[packed.seq_index, packed.positions] = latent
         if self.indexer is not None:
             topk = self.indexer.select_packed(x, q_resid, packed, state.indexer if state is not None else None,
                                               on_scores)

@@ -85,9 +85,11 @@ class LightningIndexer(nn.Module):
         return q, w
 
     def _scores(self, q, w, pools):
-        """q [..., nI, dI], w [..., nI], pools [..., P, dI] -> [..., P] (fp32)."""
-        s = F.relu(q @ pools.float().transpose(-1, -2) * self.head_dim ** -0.5)
-        return (w.unsqueeze(-2) @ s).squeeze(-2)
+        """q [B, J, nI, dI], w [B, J, nI], pools [B, P, dI] -> [B, J, P] (fp32): J query rows of each
+        batch entry against that entry's pools, one batched GEMM."""
+        B, J, nI, dI = q.shape
+        s = torch.bmm(q.reshape(B, J * nI, dI), pools.float().transpose(1, 2)) * self.head_dim ** -0.5
+        return (w.unsqueeze(-2) @ F.relu(s).view(B, J, nI, -1)).squeeze(-2)
 
     def _candidates_only(self, scores, visible_count):
         """scores [R, P] with -inf where a pool is not complete and visible to the row."""
@@ -125,34 +127,63 @@ class LightningIndexer(nn.Module):
         """x [T, D], q_resid [T, q_lora] -> selected token ids [T, width] as packed (global) indices.
         With `state`, also fills the decode cache of every sequence (slot n = sequence n). With
         `on_scores`, calls it with every row's pool scores [T, max pools of a sequence] (fp32,
-        -inf where a pool is not a candidate): what a tie judgement needs."""
+        -inf where a pool is not a candidate): what a tie judgement needs.
+
+        All sequences go at once, a few kernels per query block rather than per sequence: pools of
+        the whole batch in one gather, and per block the rows at positions [j0, j1) of every
+        sequence still that long, scored against their own sequence's pools in one batched GEMM."""
+        device, kp = x.device, self.kpool
         keys, gates = self._keys(x)
         q, w = self._query(x, q_resid)
-        out = torch.full((x.shape[0], self.width), -1, dtype=torch.long, device=x.device)
-        all_scores = None
+        T = x.shape[0]
+        lengths = packed.lengths()  # host ints; everything below stays on the device without a sync
+        # one spare row T takes the writes of the padding rows of a block
+        out = torch.full((T + 1, self.width), -1, dtype=torch.long, device=device)
+        if not lengths:
+            return out[:T]
+        cu = packed.cu_seqlens
+        starts, lengths_t = cu[:-1], cu[1:] - cu[:-1]
+        pools_t = lengths_t // kp
+        total_pools, widest = sum(L // kp for L in lengths), max(lengths) // kp
+        # pools of every sequence: pool p of sequence n covers rows starts[n] + p*kp ... + kp-1
+        pool_seq = torch.repeat_interleave(torch.arange(len(lengths), device=device), pools_t, output_size=total_pools)
+        pool_local = torch.arange(total_pools, device=device) - (pools_t.cumsum(0) - pools_t)[pool_seq]
+        pool_rows = (starts[pool_seq] + pool_local * kp)[:, None] + torch.arange(kp, device=device)
+        pools = self._compress(keys[pool_rows], gates[pool_rows])  # [all pools, dI]
+        if state is not None:
+            state.keys[packed.seq_index, packed.positions] = keys
+            state.gates[packed.seq_index, packed.positions] = gates
+            state.pools[pool_seq, pool_local] = pools
+        # per sequence, its pools padded to the widest: [N, widest, dI] (padding is never a candidate)
+        pooled = pools.new_zeros(len(lengths), widest, pools.shape[-1])
+        pooled[pool_seq, pool_local] = pools
+        all_scores = torch.full((T + 1, widest), float("-inf"), device=device) if on_scores is not None else None
+        # longest first: the sequences still running at position j are a prefix of this order
+        order = sorted(range(len(lengths)), key=lambda n: -lengths[n])
+        order_t = torch.argsort(-lengths_t, stable=True)  # the same order, on the device
+        j0 = 0
+        while j0 < lengths[order[0]]:
+            A = sum(1 for n in order if lengths[n] > j0)
+            seqs = order_t[:A]
+            n_seen = min(widest, lengths[order[0]] // kp)
+            rows = max(1, _SCORE_BUDGET // max(1, A * self.n_heads * max(1, n_seen)))
+            j1 = min(lengths[order[0]], j0 + rows)
+            seen = min(n_seen, j1 // kp)  # pools that complete after the block's last row are candidates for none
+            pos = torch.arange(j0, j1, device=device)
+            valid = pos[None] < lengths_t[seqs][:, None]  # [A, J]: rows past a sequence's end are padding
+            row = starts[seqs][:, None] + pos
+            src = torch.where(valid, row, 0)
+            scores = self._scores(q[src], w[src], pooled[seqs, :seen]).flatten(0, 1)  # [A*J, seen]
+            visible = (pos + 1).expand(A, -1).flatten()
+            sel = self._expand(scores, visible).view(A, len(pos), -1)
+            dest = torch.where(valid, row, T).flatten()
+            out[dest] = torch.where(sel >= 0, sel + starts[seqs][:, None, None], sel).flatten(0, 1)
+            if all_scores is not None:
+                all_scores[dest, :seen] = self._candidates_only(scores, visible)
+            j0 = j1
         if on_scores is not None:
-            widest = max(end - start for start, end in packed.bounds()) // self.kpool
-            all_scores = torch.full((x.shape[0], widest), float("-inf"), device=x.device)
-        for n, (start, end) in enumerate(packed.bounds()):
-            L = end - start
-            n_pools = L // self.kpool
-            pools = self._pool(keys[start:start + n_pools * self.kpool], gates[start:start + n_pools * self.kpool])
-            if state is not None:
-                state.keys[n, :L], state.gates[n, :L], state.pools[n, :n_pools] = keys[start:end], gates[start:end], pools
-            rows = max(1, _SCORE_BUDGET // max(1, self.n_heads * n_pools))
-            for r0 in range(0, L, rows):
-                r1 = min(L, r0 + rows)
-                # pools that complete after the block's last row are candidates for none of its rows
-                seen = pools[:r1 // self.kpool]
-                scores = self._scores(q[start + r0:start + r1], w[start + r0:start + r1], seen)
-                visible = torch.arange(r0 + 1, r1 + 1, device=x.device)
-                sel = self._expand(scores, visible)
-                out[start + r0:start + r1] = torch.where(sel >= 0, sel + start, sel)
-                if all_scores is not None:
-                    all_scores[start + r0:start + r1, :scores.shape[1]] = self._candidates_only(scores, visible)
-        if on_scores is not None:
-            on_scores(all_scores)
-        return out
+            on_scores(all_scores[:T])
+        return out[:T]
 
     # ---- rollout decode ----------------------------------------------------------------------
     @torch.no_grad()
@@ -171,7 +202,7 @@ class LightningIndexer(nn.Module):
             state.pools[done, visible[done] // self.kpool - 1] = pooled
         q, w = self._query(x, q_resid)
         n_pools = int(visible.max()) // self.kpool
-        scores = self._scores(q, w, state.pools[:, :n_pools])
+        scores = self._scores(q[:, None], w[:, None], state.pools[:, :n_pools])[:, 0]
         if on_scores is not None:
             on_scores(self._candidates_only(scores, visible))
         return self._expand(scores, visible)

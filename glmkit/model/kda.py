@@ -112,7 +112,8 @@ class KimiDeltaAttention(nn.Module):
         beta = torch.sigmoid(self.b_proj(x))
         o, final = kda.chunk_kda(q[None], k[None], v[None], g[None], beta[None], scale=None,
                                  initial_state=None, output_final_state=want_state,
-                                 use_qk_l2norm_in_kernel=True, cu_seqlens=packed.cu_seqlens)
+                                 use_qk_l2norm_in_kernel=True, cu_seqlens=packed.cu_seqlens,
+                                 cu_seqlens_cpu=packed.cu_seqlens_cpu())
         out = self._output(o[0], x)
         if not want_state:
             return out, None

@@ -44,9 +44,10 @@ class Router(nn.Module):
         through the router."""
         scores = F.linear(x.float(), self.weight.float()).sigmoid()
         choice = (scores + self.e_score_correction_bias).detach()
-        if experts is None or (experts < 0).any():  # rows of -1 in a replay: this forward chooses
-            own = torch.topk(choice, self.top_k, dim=-1, sorted=False).indices
-            experts = own if experts is None else torch.where(experts >= 0, experts, own)
+        own = torch.topk(choice, self.top_k, dim=-1, sorted=False).indices
+        # rows of -1 in a replay: this forward chooses (a where, not a host-side test for them,
+        # which would stall the stream on every replayed layer)
+        experts = own if experts is None else torch.where(experts >= 0, experts, own)
         weights = scores.gather(1, experts)
         if self.norm_topk:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)

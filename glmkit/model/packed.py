@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import itertools
+from dataclasses import dataclass, field
 
 import torch
 
@@ -15,31 +16,47 @@ class Packed:
     cu_seqlens: torch.Tensor
     positions: torch.Tensor
     seq_index: torch.Tensor
+    # cu_seqlens as host ints: bounds() and lengths() are read by every layer, and reading a CUDA
+    # tensor back stalls the stream each time
+    host_cu_seqlens: tuple[int, ...] | None = field(default=None, compare=False, repr=False)
+    _cpu_cu: torch.Tensor | None = field(default=None, init=False, compare=False, repr=False)
 
     @classmethod
     def from_lengths(cls, lengths, device="cpu") -> "Packed":
-        lengths = torch.as_tensor(list(lengths), dtype=torch.long, device=device)
-        if (lengths <= 0).any():
-            raise ValueError(f"every packed sequence needs at least one token, got lengths {lengths.tolist()}")
-        cu = torch.zeros(len(lengths) + 1, dtype=torch.long, device=device)
-        cu[1:] = lengths.cumsum(0)
-        seq_index = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths)
-        positions = torch.arange(int(cu[-1]), device=device) - cu[:-1][seq_index]
-        return cls(cu, positions, seq_index)
+        host = [int(n) for n in (lengths.tolist() if torch.is_tensor(lengths) else lengths)]
+        if any(n <= 0 for n in host):
+            raise ValueError(f"every packed sequence needs at least one token, got lengths {host}")
+        host_cu = (0, *itertools.accumulate(host))
+        cu = torch.tensor(host_cu, dtype=torch.long, device=device)
+        lengths = cu[1:] - cu[:-1]
+        seq_index = torch.repeat_interleave(torch.arange(len(host), device=device), lengths, output_size=host_cu[-1])
+        positions = torch.arange(host_cu[-1], device=device) - cu[:-1][seq_index]
+        return cls(cu, positions, seq_index, host_cu)
 
     @property
     def num_sequences(self) -> int:
         return len(self.cu_seqlens) - 1
 
+    def cu_seqlens_cpu(self) -> torch.Tensor:
+        """cu_seqlens on the CPU, one tensor per Packed: fla's varlen kernels plan their chunks from
+        it without reading the device, and cache the plan while they are given the same tensor."""
+        if self._cpu_cu is None:
+            self._cpu_cu = torch.tensor(self._host_cu(), dtype=torch.long)
+        return self._cpu_cu
+
+    def _host_cu(self) -> tuple[int, ...]:
+        return self.host_cu_seqlens if self.host_cu_seqlens is not None else tuple(self.cu_seqlens.tolist())
+
     @property
     def num_tokens(self) -> int:
-        return int(self.cu_seqlens[-1])
+        return self._host_cu()[-1]
 
     def lengths(self) -> list[int]:
-        return (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).tolist()
+        cu = self._host_cu()
+        return [b - a for a, b in zip(cu[:-1], cu[1:])]
 
     def bounds(self) -> list[tuple[int, int]]:
-        cu = self.cu_seqlens.tolist()
+        cu = self._host_cu()
         return list(zip(cu[:-1], cu[1:]))
 
     def last_indices(self) -> torch.Tensor:

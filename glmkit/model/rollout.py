@@ -88,7 +88,7 @@ class RolloutEngine:
                   record_scores=record_scores)
         hidden = self.model.hidden(input_ids, run)
         rows = hidden if all_logits else hidden[packed.last_indices()]
-        lengths = torch.as_tensor(packed.lengths(), device=self.model.device)
+        lengths = packed.cu_seqlens[1:] - packed.cu_seqlens[:-1]
         return DecodeBatch(run.states, lengths), self.model.lm_head(rows).float()
 
     @torch.no_grad()

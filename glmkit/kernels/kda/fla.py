@@ -16,13 +16,13 @@ def _ops():
 
 
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-              use_qk_l2norm_in_kernel=False, cu_seqlens=None):
+              use_qk_l2norm_in_kernel=False, cu_seqlens=None, cu_seqlens_cpu=None):
     chunk, _ = _ops()
     if initial_state is not None:
         initial_state = initial_state.float()  # fla requires an fp32 state
     return chunk(q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_state,
                  output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                 cu_seqlens=cu_seqlens)
+                 cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
 
 
 def recurrent_step(q, k, v, g, beta, state):

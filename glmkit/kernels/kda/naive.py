@@ -91,7 +91,7 @@ def _chunk_one(q, k, v, g, beta, state, chunk_size):
 
 
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-              use_qk_l2norm_in_kernel=False, cu_seqlens=None, chunk_size=64):
+              use_qk_l2norm_in_kernel=False, cu_seqlens=None, cu_seqlens_cpu=None, chunk_size=64):
     """Chunked KDA. With `cu_seqlens` [N+1], inputs are packed as B=1 and every sequence starts from
     its own initial state (initial_state [N, H, K, V] or zeros); the final state is [N, H, K, V].
 
@@ -108,7 +108,7 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     else:
         if B != 1:
             raise ValueError(f"packed input (cu_seqlens) needs batch size 1, got {B}")
-        cu = cu_seqlens.tolist()
+        cu = (cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens).tolist()
         starts, lengths = cu[:-1], [b - a for a, b in zip(cu[:-1], cu[1:])]
         longest = max(lengths) if lengths else 0
         # [N, longest, ...] with each sequence left-aligned
