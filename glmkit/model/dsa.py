@@ -19,7 +19,6 @@ import torch
 from torch import nn
 
 from glmkit.kernels.dsa.absorbed import fold_weights
-from glmkit.kernels.dsa.naive import compact_selection
 from glmkit.model.indexer import IndexerState, LightningIndexer
 from glmkit.model.norms import RMSNorm
 from glmkit.model.packed import Packed
@@ -112,9 +111,10 @@ class SparseMLA(nn.Module):
         else:
             topk = shared_topk
         used = replayed(topk, replay)
-        selected = compact_selection(used)
-        gathered = state.latent[rows[:, None], selected.clamp(min=0)]
-        return (self.o_proj(self._attend_absorbed(q, gathered, selected).flatten(-2)), used,
+        # every slot, empty ones masked: a width fixed by the config, not by the selection (no
+        # read-back, one shape for a CUDA graph)
+        gathered = state.latent[rows[:, None], used.clamp(min=0)]
+        return (self.o_proj(self._attend_absorbed(q, gathered, used).flatten(-2)), used,
                 topk if self.indexer is not None else None)
 
     def empty_state(self, batch: int, capacity: int, dtype, device) -> DSAState:

@@ -189,22 +189,26 @@ class LightningIndexer(nn.Module):
     @torch.no_grad()
     def select_step(self, x, q_resid, lengths, state: IndexerState, on_scores=None):
         """x [B, D] new tokens at cache positions `lengths` [B] -> cache positions [B, width]
-        (`on_scores` as in select_packed, [B, pools])."""
+        (`on_scores` as in select_packed, [B, cache pools]).
+
+        Shapes depend only on the cache, never on its contents, and nothing is read back to the
+        host: every row's latest pool is recompressed and written only where this token completed
+        it, and the query scores every pool slot of the cache (the ones not yet complete are no
+        candidates). A CUDA graph can capture the step."""
         B = x.shape[0]
         rows = torch.arange(B, device=x.device)
         keys, gates = self._keys(x)
         state.keys[rows, lengths], state.gates[rows, lengths] = keys, gates
         visible = lengths + 1
-        done = (visible % self.kpool == 0).nonzero().flatten()
-        if len(done):  # this token completed a pool: compress it once, keep it in the cache
-            span = visible[done, None] - self.kpool + torch.arange(self.kpool, device=x.device)
-            pooled = self._compress(state.keys[done[:, None], span], state.gates[done[:, None], span])
-            state.pools[done, visible[done] // self.kpool - 1] = pooled
+        completed = visible % self.kpool == 0
+        span = (visible - self.kpool).clamp(min=0)[:, None] + torch.arange(self.kpool, device=x.device)
+        pooled = self._compress(state.keys[rows[:, None], span], state.gates[rows[:, None], span])
+        slot = (visible // self.kpool - 1).clamp(min=0)
+        state.pools[rows, slot] = torch.where(completed[:, None], pooled, state.pools[rows, slot])
         q, w = self._query(x, q_resid)
-        n_pools = int(visible.max()) // self.kpool
-        scores = self._scores(q[:, None], w[:, None], state.pools[:, :n_pools])[:, 0]
-        if on_scores is not None:
-            on_scores(self._candidates_only(scores, visible))
+        scores = self._scores(q[:, None], w[:, None], state.pools)[:, 0]
+        if on_scores is not None:  # an observer (parity, debugging) reads back: the pools seen so far
+            on_scores(self._candidates_only(scores, visible)[:, :int(visible.max()) // self.kpool])
         return self._expand(scores, visible)
 
     def empty_state(self, batch: int, capacity: int, dtype, device) -> IndexerState:

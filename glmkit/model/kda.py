@@ -140,7 +140,8 @@ class KimiDeltaAttention(nn.Module):
         q = l2norm(q) * self.head_dim ** -0.5
         k = l2norm(k)
         beta = torch.sigmoid(self.b_proj(x)).float()
-        o, state.recurrent = kda.recurrent_step(q, k, v, self._decay(x), beta, state.recurrent)
+        o, recurrent = kda.recurrent_step(q, k, v, self._decay(x), beta, state.recurrent)
+        state.recurrent.copy_(recurrent)  # in place: a captured CUDA graph keeps reading this tensor
         return self._output(o.to(x.dtype), x)
 
     def empty_state(self, batch: int, dtype, device) -> KDAState:

@@ -291,6 +291,65 @@ class SlotBatch:
             self.owner[s] = None
 
 
+class GraphedStep:
+    """`RolloutEngine.step` for one DecodeBatch, captured once as a CUDA graph and replayed: a decode
+    step then costs the GPU's time, not Python's launches. The batch's caches and `lengths` are the
+    graph's static buffers (updated in place by every replay: lengths advance by one); the tokens
+    are copied in and the logits [B, V] (fp32) are one static tensor, overwritten by the next call.
+
+    The step is graph-safe by construction: shapes depend only on the cache sizes, nothing is read
+    back to the host, states are updated in place. Not in a graph: recording sites (R3, top-k
+    replay: those steps run eagerly) and the CPU. Needs the grouped MoE (bf16 on CUDA): the
+    per-expert loop reads expert counts back to the host."""
+
+    def __init__(self, engine: RolloutEngine, batch: DecodeBatch, warmup: int = 2):
+        if batch.lengths.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need the caches on a CUDA device, got {batch.lengths.device}")
+        self.engine, self.batch = engine, batch
+        self.tokens = torch.zeros_like(batch.lengths)
+        saved = [t.clone() for t in _state_tensors(batch)]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # compiles, autotune and the allocator's first sizes stay out of the graph
+            for _ in range(warmup):
+                self._step()
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.logits = self._step()
+        for t, s in zip(_state_tensors(batch), saved):  # the warm-up steps wrote into the caches
+            t.copy_(s)
+
+    @torch.no_grad()
+    def _step(self):
+        model = self.engine.model
+        run = Run(self.engine.backends, lengths=self.batch.lengths, states=self.batch.states)
+        logits = model.lm_head(model.hidden(self.tokens, run)).float()
+        self.batch.lengths.add_(1)
+        return logits
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [B] -> logits [B, V], as RolloutEngine.step(batch, tokens)."""
+        self.tokens.copy_(tokens)
+        self.graph.replay()
+        return self.logits
+
+
+def _state_tensors(batch: DecodeBatch):
+    """Every tensor a decode step reads or writes in place: lengths and each layer's cache fields."""
+    yield batch.lengths
+
+    def walk(state):
+        for f in fields(state):
+            value = getattr(state, f.name)
+            if torch.is_tensor(value):
+                yield value
+            elif value is not None and is_dataclass(value):
+                yield from walk(value)
+    for state in batch.states:
+        yield from walk(state)
+
+
 def _copy_into_slot(slot_state, new_state, slot: int, row: int):
     """Request `row` of a freshly prefilled layer state -> slot `slot` of the engine's slot state.
     Fields match by name; capacity axes may be shorter in the new state: the slot is zeroed first, so
