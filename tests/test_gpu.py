@@ -206,7 +206,7 @@ def test_graphed_decode_step_gives_the_eager_steps_logits_and_tokens(kda):
     from glmkit.checkpoint.synth import synth_model
     from glmkit.config import variant_config
     from glmkit.model import RolloutEngine
-    from glmkit.model.rollout import DecodeBatch, GraphedStep, _state_tensors
+    from glmkit.model.rollout import DecodeBatch, GraphedStep, _decode_buffers
 
     config = variant_config("tiny")
     model = synth_model(config, 0, dtype=torch.bfloat16, device="cuda", progress=False)
@@ -223,5 +223,5 @@ def test_graphed_decode_step_gives_the_eager_steps_logits_and_tokens(kda):
         assert rel_rms(want, got) < 1e-3
         assert torch.equal(want.argmax(-1), got.argmax(-1))
         tokens = want.argmax(-1)
-    for a, b in zip(_state_tensors(eager), _state_tensors(graphed)):
+    for a, b in zip(_decode_buffers(eager), _decode_buffers(graphed)):
         assert rel_rms(a, b) < 1e-3 if a.is_floating_point() and a.norm() > 0 else torch.equal(a, b)

@@ -161,14 +161,13 @@ class LightningIndexer(nn.Module):
         # longest first: the sequences still running at position j are a prefix of this order
         order = sorted(range(len(lengths)), key=lambda n: -lengths[n])
         order_t = torch.argsort(-lengths_t, stable=True)  # the same order, on the device
-        j0 = 0
-        while j0 < lengths[order[0]]:
+        longest, j0 = max(lengths), 0
+        while j0 < longest:
             A = sum(1 for n in order if lengths[n] > j0)
             seqs = order_t[:A]
-            n_seen = min(widest, lengths[order[0]] // kp)
-            rows = max(1, _SCORE_BUDGET // max(1, A * self.n_heads * max(1, n_seen)))
-            j1 = min(lengths[order[0]], j0 + rows)
-            seen = min(n_seen, j1 // kp)  # pools that complete after the block's last row are candidates for none
+            rows = max(1, _SCORE_BUDGET // max(1, A * self.n_heads * max(1, widest)))
+            j1 = min(longest, j0 + rows)
+            seen = min(widest, j1 // kp)  # pools that complete after the block's last row are candidates for none
             pos = torch.arange(j0, j1, device=device)
             valid = pos[None] < lengths_t[seqs][:, None]  # [A, J]: rows past a sequence's end are padding
             row = starts[seqs][:, None] + pos

@@ -97,11 +97,16 @@ class RolloutEngine:
         """tokens [B] (one per request) -> logits [B, V]; the caches advance by one. `topk_replay`
         {DSA layer: [B, W] cache positions} replays this step's selections."""
         replay = {layer: rows.to(self.model.device) for layer, rows in (topk_replay or {}).items()}
-        run = Run(self.backends, lengths=batch.lengths, states=batch.states, record=record, topk_replay=replay,
-                  record_scores=record_scores)
-        hidden = self.model.hidden(tokens, run)
+        logits = self._decode(batch, tokens, record, replay, record_scores)
         batch.lengths = batch.lengths + 1
-        return self.model.lm_head(hidden).float()
+        return logits
+
+    def _decode(self, batch: DecodeBatch, tokens, record=None, topk_replay=None, record_scores=False):
+        """One token per request through the model into the caches -> logits [B, V] (fp32); the
+        caller advances the lengths."""
+        run = Run(self.backends, lengths=batch.lengths, states=batch.states, record=record,
+                  topk_replay=topk_replay or {}, record_scores=record_scores)
+        return self.model.lm_head(self.model.hidden(tokens, run)).float()
 
     @torch.no_grad()
     def generate(self, prompts, params: SamplingParams, seed: int = 0, record_routing: bool = False,
@@ -307,7 +312,7 @@ class GraphedStep:
             raise ValueError(f"CUDA graphs need the caches on a CUDA device, got {batch.lengths.device}")
         self.engine, self.batch = engine, batch
         self.tokens = torch.zeros_like(batch.lengths)
-        saved = [t.clone() for t in _state_tensors(batch)]
+        saved = [t.clone() for t in _decode_buffers(batch)]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # compiles, autotune and the allocator's first sizes stay out of the graph
@@ -317,15 +322,13 @@ class GraphedStep:
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self.logits = self._step()
-        for t, s in zip(_state_tensors(batch), saved):  # the warm-up steps wrote into the caches
+        for t, s in zip(_decode_buffers(batch), saved):  # the warm-up steps wrote into the caches
             t.copy_(s)
 
     @torch.no_grad()
     def _step(self):
-        model = self.engine.model
-        run = Run(self.engine.backends, lengths=self.batch.lengths, states=self.batch.states)
-        logits = model.lm_head(model.hidden(self.tokens, run)).float()
-        self.batch.lengths.add_(1)
+        logits = self.engine._decode(self.batch, self.tokens)
+        self.batch.lengths.add_(1)  # in place: the graph's lengths buffer
         return logits
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -335,32 +338,28 @@ class GraphedStep:
         return self.logits
 
 
-def _state_tensors(batch: DecodeBatch):
-    """Every tensor a decode step reads or writes in place: lengths and each layer's cache fields."""
-    yield batch.lengths
+def _cache_tensors(state):
+    """Every tensor of one layer's cache, nested caches (a DSA layer's indexer) included, in field order."""
+    for f in fields(state):
+        value = getattr(state, f.name)
+        if is_dataclass(value):
+            yield from _cache_tensors(value)
+        elif value is not None:
+            yield value
 
-    def walk(state):
-        for f in fields(state):
-            value = getattr(state, f.name)
-            if torch.is_tensor(value):
-                yield value
-            elif value is not None and is_dataclass(value):
-                yield from walk(value)
+
+def _decode_buffers(batch: DecodeBatch):
+    """Every tensor a decode step reads or writes in place: the lengths and each layer's cache."""
+    yield batch.lengths
     for state in batch.states:
-        yield from walk(state)
+        yield from _cache_tensors(state)
 
 
 def _copy_into_slot(slot_state, new_state, slot: int, row: int):
     """Request `row` of a freshly prefilled layer state -> slot `slot` of the engine's slot state.
-    Fields match by name; capacity axes may be shorter in the new state: the slot is zeroed first, so
-    nothing of its previous request survives."""
-    for f in fields(slot_state):
-        dst, src = getattr(slot_state, f.name), getattr(new_state, f.name)
-        if dst is None:
-            continue
-        if is_dataclass(dst):
-            _copy_into_slot(dst, src, slot, row)
-            continue
+    Both are caches of the same layer (same fields); capacity axes may be shorter in the new state:
+    the slot is zeroed first, so nothing of its previous request survives."""
+    for dst, src in zip(_cache_tensors(slot_state), _cache_tensors(new_state)):
         dst[slot].zero_()
         dst[slot][tuple(slice(0, n) for n in src.shape[1:])] = src[row]
 
