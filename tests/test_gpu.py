@@ -198,9 +198,9 @@ def test_fused_elementwise_bf16_is_as_close_to_fp32_as_eager():
 def test_graphed_decode_step_gives_the_eager_steps_logits_and_tokens(kda):
     """GraphedStep (one CUDA graph per decode batch) against RolloutEngine.step on a copy of the same
     prefilled caches: 12 greedy steps on the tiny variant in bf16, the grouped MoE, fused elementwise
-    chains. Both run the same kernels on the same inputs, so logits agree to 1e-3 relative RMS (seen
-    bitwise equal where the kernels are deterministic), the greedy tokens exactly, and the caches
-    (lengths, KDA states, DSA latents, indexer pools) advance the same."""
+    chains. Both run the same kernels on the same inputs, so logits must agree to 1e-3 relative RMS
+    (a margin for kernels whose summation order is not fixed), the greedy tokens exactly, and the
+    caches (lengths, KDA states, DSA latents, indexer pools) advance the same."""
     import copy
 
     from glmkit.checkpoint.synth import synth_model
