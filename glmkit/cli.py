@@ -375,8 +375,6 @@ def _launch_builtin(args) -> int:
 def cmd_serve(args) -> int:
     from glmkit.serve.server import serve
 
-    if args.max_batch_size < 1:
-        raise ValueError(f"--max-batch-size must be >= 1, got {args.max_batch_size}")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
     for root in args.allow_updates_from:
@@ -590,7 +588,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", choices=DEVICES)
     p.add_argument("--dtype", choices=list(DTYPES), help="default: the checkpoint's")
     p.add_argument("--tokenizer", help="tokenizer directory for text inputs (default: the checkpoint's own files)")
-    p.add_argument("--max-batch-size", type=int, default=64, help="most inputs batched into one engine call")
+    p.add_argument("--max-batch-size", type=_positive, default=64, help="most inputs batched into one engine call")
     p.add_argument("--max-context", type=int, default=65536,
                    help="most prompt + new tokens of one request (larger ones are refused with 400)")
     p.add_argument("--allow-updates-from", action="append", default=[], metavar="DIR",

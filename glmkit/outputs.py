@@ -129,3 +129,22 @@ def staging_dir(target: Path, what: str) -> Path:
                                    dir=target.parent))
     mark(staged, what)
     return staged
+
+
+def move_into_place(staged: Path, target: Path) -> None:
+    """Swap the finished directory in; an old target is moved aside first and deleted last."""
+    old = None
+    if target.exists() or target.is_symlink():
+        if target.is_dir() and not target.is_symlink() and not any(target.iterdir()):
+            target.rmdir()
+        else:
+            old = Path(tempfile.mkdtemp(prefix=target.name + ".old-", dir=target.parent))
+            old.rmdir()
+            target.rename(old)
+    staged.rename(target)
+    if old is None:
+        return
+    if old.is_dir() and not old.is_symlink():
+        shutil.rmtree(old)
+    else:
+        old.unlink()

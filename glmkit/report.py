@@ -60,7 +60,7 @@ def _fmt(value) -> str:
     return "" if value is None else str(value)
 
 
-def _num(value) -> str:
+def short_number(value) -> str:
     return "n/a" if value is None else f"{value:.3g}"
 
 
@@ -71,12 +71,12 @@ def divergence_text(first: dict, thresholds: dict) -> str:
     layer = "final" if first.get("layer") is None else first["layer"]
     if first.get("kind") == "indices":
         allowed = 1 - thresholds.get("identical", 1.0)
-        detail = (f"different rows {_num(first.get('different'))} > {allowed:.3g} allowed "
-                  f"(ties {_num(first.get('tied'))})")
+        detail = (f"different rows {short_number(first.get('different'))} > {allowed:.3g} allowed "
+                  f"(ties {short_number(first.get('tied'))})")
     elif first.get("nan") or first.get("inf"):
         detail = f"NaN {first.get('nan', 0)}, Inf {first.get('inf', 0)}"
     else:
-        detail = f"rel RMS {_num(first.get('rel_rms'))} > threshold {thresholds.get('rel_rms')}"
+        detail = f"rel RMS {short_number(first.get('rel_rms'))} > threshold {thresholds.get('rel_rms')}"
     return f"layer {layer}, site {first.get('site')} ({detail})"
 
 

@@ -5,7 +5,6 @@ small notebooks that use the real views (no model needed)."""
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 import sys
@@ -201,4 +200,3 @@ def test_parity_verdicts_give_the_first_divergence_of_each_failed_comparison():
     assert len(parity_reasons(same)) == 1            # train vs rollout was the comparison itself
     assert parity_reasons({"verdict": "pass", "first_divergence": None, "train_rollout": {}}) == []
     assert verdict_reasons({"verdict": "fail", "reasons": ["x"]}) == ["x"]
-    assert json.loads(json.dumps(data)) == data      # as parity.json stores it

@@ -15,8 +15,8 @@ from PIL import Image
 
 from glmkit.rl.health import HEALTHY_FULL, RISE_FIRST, RISE_LAST, UNDECIDED, run_verdict, verdicts
 from widgets import HealthTable, LiveMetrics, figure_png, show
-from widgets.parity import FIGURE_DPI, MAX_WIDTH_PX, MIN_FONT_PT, WIDGET_VIEW
-from widgets.training import (DEFAULT_METRICS, HEALTHY_GID, HEALTHY_LABEL, LIVE_DPI, SERIES_GID, VERDICT_BACKGROUNDS,
+from widgets.parity import MAX_WIDTH_PX, MIN_FONT_PT, WIDGET_VIEW
+from widgets.training import (DEFAULT_METRICS, HEALTHY_GID, HEALTHY_LABEL, SERIES_GID, VERDICT_BACKGROUNDS,
                               VERDICT_COLORS, healthy_band)
 
 
@@ -220,7 +220,9 @@ def test_metrics_figure_is_readable_at_its_rendered_size():
         texts = [t for t in fig.findobj(Text) if t.get_visible() and t.get_text().strip()]
         assert len(texts) > 40
         assert [(t.get_text(), t.get_fontsize()) for t in texts if t.get_fontsize() < MIN_FONT_PT] == []
-    assert LIVE_DPI == FIGURE_DPI   # the live widget's PNG is drawn at the same size
+    view.redraw()  # the live widget's own PNG, as the output area shows it
+    live_png = base64.b64decode(view.output.outputs[0]["data"]["image/png"])
+    assert Image.open(io.BytesIO(live_png)).size[0] <= MAX_WIDTH_PX
 
 
 # ---------------------------------------------------------------- health table

@@ -30,7 +30,7 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch, Rectangle
 
 from glmkit.model.sites import FINAL, PER_LAYER
-from glmkit.report import divergence_text
+from glmkit.report import divergence_text, short_number
 
 FLOOR = 1e-10   # log scales start here; an exact match (error 0) is drawn at the floor
 KDA_CHUNK = 64  # the torch KDA kernel's chunk size: errors can step at these boundaries
@@ -127,15 +127,13 @@ def log_error(value: float | None) -> float:
     return math.log10(max(value, FLOOR))
 
 
-def _fmt(value) -> str:
-    return "n/a" if value is None else f"{value:.3g}"
-
-
 def describe_site(s) -> str:
     if s.kind == "indices":
-        return (f"layer {layer_label(s.layer)} {s.site}: identical rows {_fmt(s.identical)}, tied {_fmt(s.tied)}, "
-                f"different {_fmt(s.different)}, mean Jaccard {_fmt(s.jaccard)}")
-    text = f"layer {layer_label(s.layer)} {s.site}: rel RMS {_fmt(s.rel_rms)}, max |diff| {_fmt(s.max_abs)}"
+        return (f"layer {layer_label(s.layer)} {s.site}: identical rows {short_number(s.identical)}, "
+                f"tied {short_number(s.tied)}, different {short_number(s.different)}, "
+                f"mean Jaccard {short_number(s.jaccard)}")
+    text = (f"layer {layer_label(s.layer)} {s.site}: rel RMS {short_number(s.rel_rms)}, "
+            f"max |diff| {short_number(s.max_abs)}")
     if s.nan or s.inf:
         text += f", NaN {s.nan}, Inf {s.inf}"
     return text
@@ -444,7 +442,7 @@ class TopkOverlap:
     @property
     def text(self) -> str:
         return f"{self.site}: set overlap per layer, " + ", ".join(
-            f"layer {layer} different {_fmt(v.get('different'))}" for layer, v in self.agreement.items())
+            f"layer {layer} different {short_number(v.get('different'))}" for layer, v in self.agreement.items())
 
     def figure(self, metrics=METRICS) -> Figure:
         if not self.agreement:

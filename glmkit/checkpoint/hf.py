@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 import warnings
 from collections import Counter
 from collections.abc import Iterable
@@ -41,7 +40,7 @@ from glmkit.checkpoint.names import (
     layer_prefix,
 )
 from glmkit.config import full_config
-from glmkit.outputs import check_dir_out, staging_dir
+from glmkit.outputs import check_dir_out, move_into_place, staging_dir
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -253,6 +252,14 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def _dominant_dtype(infos) -> torch.dtype | None:
+    """The dtype holding the most elements of these tensors (None for none)."""
+    elements = Counter()
+    for info in infos:
+        elements[info.dtype] += _numel(info.shape)
+    return elements.most_common(1)[0][0] if elements else None
+
+
 def _check_dtypes(path: Path, found: dict[str, TensorInfo]) -> None:
     """The module's dtype rule: raise for non-float tensors, warn once naming the float ones loading casts."""
     refused = [f"tensor {name} in {info.file.name} is {_dtype_name(info.dtype)}" for name, info in sorted(found.items())
@@ -260,10 +267,7 @@ def _check_dtypes(path: Path, found: dict[str, TensorInfo]) -> None:
     if refused:
         raise CheckpointError(f"{path}: {_count(len(refused), 'tensor')} not stored as bfloat16, float16 or float32 "
                               f"(a cast would load wrong weights):\n  {_limited(refused)}")
-    elements = Counter()
-    for info in found.values():
-        elements[info.dtype] += _numel(info.shape)
-    main = elements.most_common(1)[0][0] if elements else None
+    main = _dominant_dtype(found.values())
     cast = [f"{name} ({_dtype_name(info.dtype)})" for name, info in sorted(found.items())
             if info.dtype != main and not (info.dtype == torch.float32 and keeps_fp32(name))]
     message = (f"{path}: {_count(len(cast), 'tensor')} stored in another dtype than the checkpoint's "
@@ -298,10 +302,7 @@ class Checkpoint:
     @property
     def dtype(self) -> torch.dtype:
         """The dtype holding the most elements (fp32 router/gate tensors are a small minority)."""
-        elements = Counter()
-        for info in self._tensors.values():
-            elements[info.dtype] += _numel(info.shape)
-        return elements.most_common(1)[0][0]
+        return _dominant_dtype(self._tensors.values())
 
     @property
     def nbytes(self) -> int:
@@ -523,25 +524,6 @@ def _write_configs(folder: Path, text_config: Glm5NextTextConfig, dtype: torch.d
     GenerationConfig.from_model_config(config).to_json_file(str(folder / "generation_config.json"))
 
 
-def _move_into_place(staged: Path, target: Path) -> None:
-    """Swap the finished directory in; an old target is moved aside first and deleted last."""
-    old = None
-    if target.exists() or target.is_symlink():
-        if target.is_dir() and not target.is_symlink() and not any(target.iterdir()):
-            target.rmdir()
-        else:
-            old = Path(tempfile.mkdtemp(prefix=target.name + ".old-", dir=target.parent))
-            old.rmdir()
-            target.rename(old)
-    staged.rename(target)
-    if old is None:
-        return
-    if old.is_dir() and not old.is_symlink():
-        shutil.rmtree(old)
-    else:
-        old.unlink()
-
-
 def save_checkpoint(path: str | os.PathLike, text_config: Glm5NextTextConfig,
                     tensors: Iterable[tuple[str, torch.Tensor]], max_shard_bytes: int = 5 * 2**30,
                     overwrite: bool = False) -> Path:
@@ -564,7 +546,7 @@ def save_checkpoint(path: str | os.PathLike, text_config: Glm5NextTextConfig,
         staged.chmod(0o755)  # mkdtemp makes it private; a checkpoint is meant to be shared
         for file in staged.iterdir():
             file.chmod(0o644)
-        _move_into_place(staged, target)
+        move_into_place(staged, target)
     except BaseException:
         shutil.rmtree(staged, ignore_errors=True)
         raise

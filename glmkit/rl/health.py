@@ -89,7 +89,6 @@ def format_table(rows: list[dict]) -> str:
 RISE_FIRST, RISE_LAST = 3, 5
 # The verdict of a run too short for that rule in which nothing else failed: neither pass nor fail.
 UNDECIDED = "not enough rollouts to judge"
-VERDICTS = ("pass", "fail", UNDECIDED)
 
 
 def run_verdict(history: list[dict], variant: str) -> dict:

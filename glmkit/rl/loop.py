@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from glmkit.outputs import MARKER, check_file_out, is_glmkit_output, staging_dir
+from glmkit.outputs import MARKER, check_dir_out, check_file_out, is_glmkit_output, staging_dir
 from glmkit.rl import grpo
 from glmkit.rl.lora import DEFAULT_EXCLUDE
 
@@ -198,8 +198,8 @@ def _claim_outputs(cfg) -> list[str]:
     clear what glmkit wrote there (the metrics file, iter_* and the latest marker). -> notes to print."""
     metrics = check_file_out(cfg.metrics_out, "--metrics-out")
     save = Path(cfg.save) if cfg.save else None
-    if save is not None and save.exists() and not save.is_dir():
-        raise ValueError(f"--save {save}: exists and is not a directory")
+    if save is not None:
+        check_dir_out(save, "--save", whole=False)
     checkpoints = sorted(save.glob("iter_*")) + [m for m in [save / "latest_checkpointed_iteration.txt"]
                                                   if m.exists()] if save is not None and save.is_dir() else []
     if cfg.resume:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import base64
 import os
-import shutil
 import time
 from pathlib import Path
 
@@ -170,18 +169,12 @@ def write_weights_dir(tensors: dict, root: str | os.PathLike, name: str) -> Path
     wrote is replaced; anything else there is refused."""
     from safetensors.torch import save_file
 
-    from glmkit.outputs import check_dir_out, staging_dir
+    from glmkit.outputs import check_dir_out, move_into_place, staging_dir
 
     final = check_dir_out(Path(root) / name, "--weight-update-dir", overwrite=True)
     staging = staging_dir(final, "weight update")
     save_file({k: t.detach().to("cpu").contiguous() for k, t in tensors.items()}, str(staging / "weights.safetensors"))
-    if final.exists():
-        old = staging.with_name(staging.name.replace(".tmp-", ".old-", 1))
-        os.replace(final, old)
-        os.replace(staging, final)
-        shutil.rmtree(old)
-    else:
-        os.replace(staging, final)
+    move_into_place(staging, final)
     return final
 
 

@@ -159,7 +159,7 @@ class EngineService:
         _, logits = self.engine.prefill(prompts, max(lengths), all_logits=True, record=record)
         logp = torch.log_softmax(logits.float().cpu() / (temperature or 1.0), -1)
         out = []
-        for n, (s, e) in enumerate(zip(packed.cu_seqlens[:-1].tolist(), packed.cu_seqlens[1:].tolist())):
+        for n, (s, e) in enumerate(packed.bounds()):
             ids = torch.tensor(prompts[n])
             picked = logp[s:e - 1].gather(-1, ids[1:, None])[:, 0].tolist()
             routing = {layer: v[s:e] for (layer, site), v in seen.items() if site == "router_experts"}
