@@ -9,6 +9,7 @@ it completes). Sampling returns each sampled token's log-prob under softmax(logi
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass, field, fields, is_dataclass
 
@@ -118,22 +119,9 @@ class RolloutEngine:
             raise ValueError("generate needs at least one prompt and every prompt needs at least one token")
         generator = torch.Generator(device=self.model.device).manual_seed(seed)
         capacity = max(len(p) for p in prompts) + params.max_new_tokens
-        done = [Completion(prompt=list(map(int, p)), routing={} if record_routing else None,
-                           topk={} if record_topk else None) for p in prompts]
-        starts = torch.tensor([0, *torch.tensor([len(p) for p in prompts]).cumsum(0).tolist()])
-        wanted = {"router_experts": "routing"} if record_routing else {}
-        if record_topk:
-            wanted["indexer_topk"] = "topk"
-
-        def prefill_record(layer, site, value):
-            if site in wanted:
-                for i, c in enumerate(done):
-                    rows = value[starts[i]:starts[i + 1]].cpu()
-                    if site == "indexer_topk":  # packed ids -> positions in the request
-                        rows = torch.where(rows >= 0, rows - int(starts[i]), rows).to(torch.int32)
-                    getattr(c, wanted[site])[layer] = [rows]
-
-        batch, logits = self.prefill(prompts, capacity, record=prefill_record if wanted else None)
+        wanted = _recorded_sites(record_routing, record_topk)
+        done = _new_completions(prompts, wanted)
+        batch, logits = self.prefill(prompts, capacity, record=_prefill_recorder(done, prompts, wanted))
         active = torch.ones(len(prompts), dtype=torch.bool, device=logits.device)
         stop = torch.tensor(params.stop_token_ids, dtype=torch.long, device=logits.device)
         for step in range(params.max_new_tokens):
@@ -149,19 +137,9 @@ class RolloutEngine:
             if not active.any() or step == params.max_new_tokens - 1:
                 break
             feeding = active.nonzero().flatten().tolist()
-
-            def step_record(layer, site, value, feeding=feeding):
-                if site in wanted:  # decode selections are cache positions: already request-local
-                    rows = value.cpu()  # one device-to-host copy per layer and step, not one per request
-                    if site == "indexer_topk":
-                        rows = rows.to(torch.int32)
-                    for i in feeding:
-                        getattr(done[i], wanted[site])[layer].append(rows[i:i + 1])
-
-            logits = self.step(batch, tokens, record=step_record if wanted else None)
+            logits = self.step(batch, tokens, record=_step_recorder([(i, done[i]) for i in feeding], wanted))
         for c in done:
-            for field_name in set(wanted.values()):
-                setattr(c, field_name, {layer: torch.cat(rows) for layer, rows in getattr(c, field_name).items()})
+            _close_records(c, wanted)
         return done
 
     @torch.no_grad()
@@ -210,10 +188,7 @@ class SlotBatch:
         self.owner = [None] * slots  # (tag, Completion, limit) per slot, None when free
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.stop = set(params.stop_token_ids)
-        self.wanted = {"router_experts": "routing"} if record_routing else {}
-        if record_topk:
-            self.wanted["indexer_topk"] = "topk"
-        self.record_routing, self.record_topk = record_routing, record_topk
+        self.wanted = _recorded_sites(record_routing, record_topk)
         self.ended = []
 
     @property
@@ -232,19 +207,9 @@ class SlotBatch:
         too_long = [len(p) + n for p, n in zip(prompts, limits) if len(p) + n > self.capacity]
         if too_long:
             raise ValueError(f"a request needs {too_long[0]} tokens of cache; the slots hold {self.capacity}")
-        completions = [Completion(prompt=list(map(int, p)), routing={} if self.record_routing else None,
-                                  topk={} if self.record_topk else None) for p in prompts]
-        starts = torch.tensor([0, *torch.tensor([len(p) for p in prompts]).cumsum(0).tolist()]).tolist()
-
-        def record(layer, site, value):
-            if site in self.wanted:
-                for j, c in enumerate(completions):
-                    rows = value[starts[j]:starts[j + 1]].cpu()
-                    if site == "indexer_topk":  # packed ids -> positions in the request
-                        rows = torch.where(rows >= 0, rows - starts[j], rows).to(torch.int32)
-                    getattr(c, self.wanted[site])[layer] = [rows]
-
-        batch, logits = self.engine.prefill(prompts, self.capacity, record=record if self.wanted else None)
+        completions = _new_completions(prompts, self.wanted)
+        batch, logits = self.engine.prefill(prompts, self.capacity,
+                                            record=_prefill_recorder(completions, prompts, self.wanted))
         for j, s in enumerate(into):
             for slot_state, new_state in zip(self.states, batch.states):
                 _copy_into_slot(slot_state, new_state, s, j)
@@ -257,17 +222,9 @@ class SlotBatch:
         fed = [s for s, o in enumerate(self.owner) if o is not None]
         if not fed:
             return
-
-        def record(layer, site, value):
-            if site in self.wanted:
-                rows = value.cpu()  # one device-to-host copy per layer and step
-                if site == "indexer_topk":
-                    rows = rows.to(torch.int32)
-                for s in fed:
-                    getattr(self.owner[s][1], self.wanted[site])[layer].append(rows[s:s + 1])
-
         batch = DecodeBatch(self.states, self.lengths)
-        logits = self.engine.step(batch, self.feed, record=record if self.wanted else None)
+        logits = self.engine.step(batch, self.feed,
+                                  record=_step_recorder([(s, self.owner[s][1]) for s in fed], self.wanted))
         occupied = torch.tensor([o is not None for o in self.owner], device=self.lengths.device)
         self.lengths = torch.where(occupied, batch.lengths, 0)  # a free slot stays at position 0
         self._take(logits[fed], fed)
@@ -290,10 +247,58 @@ class SlotBatch:
             elif len(c.tokens) < limit:
                 self.feed[s] = token
                 continue
-            for name in set(self.wanted.values()):
-                setattr(c, name, {layer: torch.cat(rows) for layer, rows in getattr(c, name).items()})
+            _close_records(c, self.wanted)
             self.ended.append((tag, c))
             self.owner[s] = None
+
+
+def _recorded_sites(routing: bool, topk: bool) -> dict:
+    """{site recorded: the Completion field that keeps it} for routing and / or top-k replay."""
+    return {**({"router_experts": "routing"} if routing else {}), **({"indexer_topk": "topk"} if topk else {})}
+
+
+def _new_completions(prompts, wanted: dict) -> list:
+    return [Completion(prompt=list(map(int, p)), routing={} if "routing" in wanted.values() else None,
+                       topk={} if "topk" in wanted.values() else None) for p in prompts]
+
+
+def _prefill_recorder(completions, prompts, wanted: dict):
+    """`record` for a prefill of `prompts` (packed in order): each completion keeps its own rows of the
+    recorded sites, DSA selections as positions in the request. None when nothing is recorded."""
+    if not wanted:
+        return None
+    starts = [0, *itertools.accumulate(len(p) for p in prompts)]
+
+    def record(layer, site, value):
+        if site in wanted:
+            for j, c in enumerate(completions):
+                rows = value[starts[j]:starts[j + 1]].cpu()
+                if site == "indexer_topk":  # packed ids -> positions in the request
+                    rows = torch.where(rows >= 0, rows - starts[j], rows).to(torch.int32)
+                getattr(c, wanted[site])[layer] = [rows]
+    return record
+
+
+def _step_recorder(fed, wanted: dict):
+    """`record` for a decode step: `fed` [(batch row, Completion)] each get their row (decode
+    selections are cache positions, already request-local). None when nothing is recorded."""
+    if not wanted:
+        return None
+
+    def record(layer, site, value):
+        if site in wanted:
+            rows = value.cpu()  # one device-to-host copy per layer and step, not one per request
+            if site == "indexer_topk":
+                rows = rows.to(torch.int32)
+            for i, c in fed:
+                getattr(c, wanted[site])[layer].append(rows[i:i + 1])
+    return record
+
+
+def _close_records(c, wanted: dict):
+    """A finished completion's recorded rows, per layer, as one tensor each."""
+    for name in set(wanted.values()):
+        setattr(c, name, {layer: torch.cat(rows) for layer, rows in getattr(c, name).items()})
 
 
 class GraphedStep:
