@@ -169,6 +169,11 @@ def test_teacher_forced_input_logprobs_equal_the_train_path(server):
     train = TrainPath(load_model(CKPT), "kda=torch").forward([seq]).logprobs  # row t: log-prob of token t+1
     got = torch.tensor([lp for lp, _, _ in meta["input_token_logprobs"]])
     assert (got - train[4:-1]).abs().max() < 1e-5  # prefill vs train path: fp32 summation order only
+    # with generation, the input log-probs come from the same prefill that fills the decode caches
+    generating = SGLangClient(server.url).generate(input_ids=seq, sampling_params={"max_new_tokens": 2},
+                                                   return_logprob=True, logprob_start_len=5)["meta_info"]
+    got = torch.tensor([lp for lp, _, _ in generating["input_token_logprobs"]])
+    assert len(got) == len(seq) - 5 and (got - train[4:-1]).abs().max() < 1e-5
 
 
 def test_concurrent_requests_are_batched_and_answered_alike(server, local_engine):

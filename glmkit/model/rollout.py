@@ -199,8 +199,10 @@ class SlotBatch:
     def busy(self) -> bool:
         return any(o is not None for o in self.owner)
 
-    def join(self, prompts, limits, tags):
-        """Prefill `prompts` into free slots; each leaves after `limits[i]` tokens at the latest."""
+    def join(self, prompts, limits, tags, prompt_logits: bool = False):
+        """Prefill `prompts` into free slots; each leaves after `limits[i]` tokens at the latest. With
+        `prompt_logits`, returns the prefill's logits at every prompt token ([T, V] fp32, the prompts
+        packed in order): a teacher-forced pass over the prompts at no extra forward."""
         into = [s for s, o in enumerate(self.owner) if o is None][:len(prompts)]
         if len(into) < len(prompts):
             raise ValueError(f"{len(prompts)} requests join but only {len(into)} slots are free")
@@ -208,14 +210,18 @@ class SlotBatch:
         if too_long:
             raise ValueError(f"a request needs {too_long[0]} tokens of cache; the slots hold {self.capacity}")
         completions = _new_completions(prompts, self.wanted)
-        batch, logits = self.engine.prefill(prompts, self.capacity,
+        batch, logits = self.engine.prefill(prompts, self.capacity, all_logits=prompt_logits,
                                             record=_prefill_recorder(completions, prompts, self.wanted))
+        every_row = logits if prompt_logits else None
+        if prompt_logits:  # the last row of each prompt predicts its first new token
+            logits = logits[torch.tensor(list(itertools.accumulate(len(p) for p in prompts))) - 1]
         for j, s in enumerate(into):
             for slot_state, new_state in zip(self.states, batch.states):
                 _copy_into_slot(slot_state, new_state, s, j)
             self.lengths[s] = len(prompts[j])
             self.owner[s] = (tags[j], completions[j], int(limits[j]))
         self._take(logits, into)
+        return every_row
 
     @torch.no_grad()
     def step(self):

@@ -29,6 +29,18 @@ DEFAULT_MAX_BATCH = 64
 DEFAULT_MAX_CONTEXT = 65536  # prompt + new tokens of one request: bounds what one request can allocate
 
 
+def input_logprobs(logits: torch.Tensor, prompts, temperature: float) -> list[list]:
+    """Logits at every token of the packed prompts [T, V] -> per prompt, the log-prob of each token
+    given the ones before it under softmax(logits / temperature) (None for the first token)."""
+    logp = torch.log_softmax(logits.float().cpu() / (temperature or 1.0), -1)
+    out, start = [], 0
+    for prompt in prompts:
+        ids = torch.tensor(prompt)
+        out.append([None, *logp[start:start + len(prompt) - 1].gather(-1, ids[1:, None])[:, 0].tolist()])
+        start += len(prompt)
+    return out
+
+
 class BadRequest(ValueError):
     """A request the server refuses (400), with the reason."""
 
@@ -131,13 +143,13 @@ class EngineService:
     def admit(self, slots, items: list[Pending]) -> None:
         """Prefill `items` into free slots (and their teacher-forced pass where asked)."""
         self.requests_run += len(items)
-        teacher = [it for it in items if it.want_logprob and it.logprob_start_len >= 0]
-        if teacher:
-            p = items[0].params
-            for it, result in zip(teacher, self.prompt_pass([it.prompt for it in teacher], p.temperature,
-                                                            False, False)):
-                it.teacher = result
-        slots.join([it.prompt for it in items], [it.params.max_new_tokens for it in items], items)
+        teacher = any(it.want_logprob and it.logprob_start_len >= 0 for it in items)
+        prompts = [it.prompt for it in items]
+        logits = slots.join(prompts, [it.params.max_new_tokens for it in items], items, prompt_logits=teacher)
+        if teacher:  # the prefill's own logits at every prompt token: no second forward over the prompts
+            for it, logprobs in zip(items, input_logprobs(logits, prompts, items[0].params.temperature)):
+                if it.want_logprob and it.logprob_start_len >= 0:
+                    it.teacher = {"input_logprobs": logprobs}
 
     def finish(self, item: Pending, completion) -> None:
         item.answer = self.answer(item, completion, item.teacher)
@@ -157,15 +169,12 @@ class EngineService:
                 seen[(layer, site)] = value.cpu()
 
         _, logits = self.engine.prefill(prompts, max(lengths), all_logits=True, record=record)
-        logp = torch.log_softmax(logits.float().cpu() / (temperature or 1.0), -1)
         out = []
-        for n, (s, e) in enumerate(packed.bounds()):
-            ids = torch.tensor(prompts[n])
-            picked = logp[s:e - 1].gather(-1, ids[1:, None])[:, 0].tolist()
+        for (s, e), picked in zip(packed.bounds(), input_logprobs(logits, prompts, temperature)):
             routing = {layer: v[s:e] for (layer, site), v in seen.items() if site == "router_experts"}
             topk = {layer: torch.where(v[s:e] >= 0, v[s:e] - s, v[s:e]) for (layer, site), v in seen.items()
                     if site == "indexer_topk"}
-            out.append({"input_logprobs": [None, *picked], "routing": routing, "topk": topk})
+            out.append({"input_logprobs": picked, "routing": routing, "topk": topk})
         return out
 
     def answer(self, it: Pending, c, teacher: dict | None) -> dict:
