@@ -282,6 +282,8 @@ def main(argv=None):
                         "forward-32768,prefill-8x512,prefill-64x512",
                         help="rows the reference also runs ('all' or 'none')")
     parser.add_argument("--backends", default="kda=fla,dsa=auto,moe=auto")
+    parser.add_argument("--sparse-backward", choices=("torch", "triton"), default=None,
+                        help="backward of the Triton sparse-MLA forward (default: the kernel module's choice)")
     parser.add_argument("--train-t", default=",".join(map(str, TRAIN_T)))
     parser.add_argument("--forward-t", default=",".join(map(str, FORWARD_T)))
     parser.add_argument("--repeat", type=int, default=2)
@@ -298,11 +300,16 @@ def main(argv=None):
     overrides = {k: json.loads(v) for k, v in (item.split("=", 1) for item in args.set)}
     config = variant_config("GLM-5.3-Flash-4layer", **overrides)
     backends = Backends.parse(args.backends)
+    if args.sparse_backward:
+        from glmkit.kernels.dsa import sparse_triton
+
+        sparse_triton.TRITON_BACKWARD = args.sparse_backward == "triton"
     wanted = set(args.rows.split(","))
     ref_rows = args.reference_rows
     props = torch.cuda.get_device_properties(0)
     header = {"date": time.strftime("%Y-%m-%d"), "gpu": props.name, "gpu_mem_gib": props.total_memory / GIB,
               "torch": torch.__version__, "config": describe(config), "backends": str(backends),
+              "sparse_backward": args.sparse_backward,
               "command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])])}
     print(json.dumps(header))
     results = {"header": header, "rows": [], "complete": False}

@@ -138,6 +138,23 @@ def test_gradients_match_absorbed(monkeypatch, case, triton_backward):
     assert (got_q[empty] == 0).all() and torch.isfinite(got_q).all() and torch.isfinite(got_l).all()
 
 
+def test_triton_backward_in_row_chunks_gives_the_one_chunk_gradients():
+    """The backward's scratch bound splits the rows into chunks (7 rows here, the last one short):
+    dq is per row and the latent gradient a sum, so the gradients are those of one chunk (1e-6
+    relative: fp32 atomics may add in another order) and of absorbed's torch backward (1e-5)."""
+    lengths, H, R, W, block_n, _ = CASES["h4-r32"]
+    q, latent, idx, bounds = make_case(lengths, H, R, W, seed=8)
+    out, lse = sparse_triton.forward(q, latent, idx, 0.3, BLOCK_N=block_n)
+    grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(9))
+    whole = sparse_triton.backward(q, latent, idx, out, lse, grad, 0.3, BLOCK_N=block_n)
+    chunked = sparse_triton.backward(q, latent, idx, out, lse, grad, 0.3, BLOCK_N=block_n,
+                                     scratch_elements=7 * H * W)
+    qg, lg = q.clone().requires_grad_(), latent.clone().requires_grad_()
+    absorbed.SparseMQA.apply(qg, lg, idx, bounds, 0.3).backward(grad)
+    for got, one, want in zip(chunked, whole, (qg.grad, lg.grad)):
+        assert rel(got, one) < 1e-6 and rel(got, want) < 1e-5
+
+
 def test_attend_matches_absorbed_with_weight_gradients():
     """attend folds kv_b exactly as absorbed.attend: output and the gradients of q, latent and the
     kv_b weight to 1e-5 relative in fp32."""

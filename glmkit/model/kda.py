@@ -24,22 +24,6 @@ from glmkit.model.packed import Packed
 
 
 @fusable
-def short_conv(q, k, v, weight: torch.Tensor, positions: torch.Tensor, kernel: int):
-    """SiLU(causal depthwise conv) of the q, k and v projections over packed rows, in fp32, never
-    across sequences. q, k, v [T, C] each, weight [3C, kernel] fp32 (q, k, v channels), positions
-    [T] (index inside each sequence) -> three [T, C] in the inputs' dtype:
-    out[t] = sum_s w[kernel-1-s] * in[t-s] over s <= positions[t]."""
-    outs = []
-    for part, w in zip((q, k, v), weight.chunk(3)):
-        conv = torch.zeros_like(part, dtype=torch.float32)
-        for shift in range(kernel):
-            src = part.float() if shift == 0 else F.pad(part.float(), (0, 0, shift, 0))[:-shift]
-            conv = conv + w[:, kernel - 1 - shift] * src * (positions >= shift)[:, None]
-        outs.append(F.silu(conv).to(part.dtype))
-    return outs
-
-
-@fusable
 def log_decay(g: torch.Tensor, dt_bias: torch.Tensor, A_log: torch.Tensor, lower_bound: float | None) -> torch.Tensor:
     """g [..., H, K] (f_b(f_a x)) -> log-space decay [..., H, K] in fp32."""
     g = g.float() + dt_bias.float().view(g.shape[-2:])
@@ -107,7 +91,8 @@ class KimiDeltaAttention(nn.Module):
         """x [T, D] packed -> (out [T, D], KDAState for the N sequences or None)."""
         projected = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q, k, v = (t.unflatten(-1, (self.num_heads, self.head_dim))
-                   for t in short_conv(*projected, self._conv_weight(), packed.positions, self.kernel))
+                   for t in kda.short_conv(*projected, self._conv_weight(), packed.positions, packed.cu_seqlens,
+                                           packed.cu_seqlens_cpu()))
         g = self._decay(x)
         beta = torch.sigmoid(self.b_proj(x))
         o, final = kda.chunk_kda(q[None], k[None], v[None], g[None], beta[None], scale=None,

@@ -46,10 +46,18 @@ number of (row, non-empty slot) pairs (`useful_flops`). The kernel executes
 over all T * ceil(W / BLOCK_N) * BLOCK_N slots: empty slots still go through the dots.
 
 Backward: `SparseMQATriton` reuses `absorbed.SparseMQA._backward` (torch, recomputing from lse);
-with `TRITON_BACKWARD = True` it runs `_bwd_kernel` instead: grid (T,), per row and key block
-p = exp2(s * log2e - lse * log2e), dP = dO @ k^T, dS = p * (dP - delta) * scale (delta = rowsum(dO * O)
-computed in the kernel), dq += dS @ k, and dk = dS^T @ q + p^T @ dO added with tl.atomic_add into an
-fp32 [T, R] buffer (rows of a sequence share keys, so the latent gradient is a scatter-add).
+with `TRITON_BACKWARD = True` it runs two Triton kernels instead, each with grid (rows,). One kernel
+holding everything (q, dO, the key tile in shared memory, dq [H, R] and dK [BLOCK_N, R] accumulating
+in registers) does not fit an H200's shared memory at R = 512 (303 KiB asked at BLOCK_N = 32), so:
+- `_bwd_dq_kernel` is the forward's loop with dO beside q: per key block p = exp2(s * log2e - lse *
+  log2e), dP = dO @ k^T, dS = p * (dP - delta) * scale (delta = rowsum(dO * O), computed in the
+  kernel), dq += dS @ k; it also writes p and dS (the inputs' dtype, as the GEMMs take them) into a
+  scratch [rows, H, W];
+- `_bwd_dlat_kernel` reads them back per key block and forms dK = dS^T @ q + p^T @ dO [BLOCK_N, R],
+  added with tl.atomic_add into an fp32 [T, R] buffer (rows of a sequence share keys, so the latent
+  gradient is a scatter-add).
+Rows go in chunks so the scratch stays bounded (`BWD_SCRATCH_ELEMENTS`). FLOPs: 6 H R per pair in the
+first kernel, 4 H R in the second, the 10 H R of the backward with nothing recomputed.
 """
 
 from __future__ import annotations
@@ -72,6 +80,9 @@ LOG2E = 1.4426950408889634  # the kernels spell constants out: jit code reads on
 # BLOCK_RO None = the whole (padded) R: no output split.
 FWD_CONFIG = dict(BLOCK_N=64, BLOCK_RO=None, num_warps=8, num_stages=1)  # fastest on an H200 (bench_sparse_mla_gpu.py)
 BWD_CONFIG = dict(BLOCK_N=32, num_warps=8, num_stages=1)
+# Elements of each of the backward's two scratch tensors (P and dS of a chunk of rows, [rows, H, W]):
+# 2^28 is 512 MiB each in bf16, ~2000 rows of 64 heads x 2063 slots.
+BWD_SCRATCH_ELEMENTS = 1 << 28
 # The backward of SparseMQATriton: False = absorbed.SparseMQA's torch backward, True = _bwd_kernel.
 TRITON_BACKWARD = False
 
@@ -143,13 +154,64 @@ def _fwd_kernel(q_ptr, lat_ptr, idx_ptr, out_ptr, lse_ptr,
 
 
 @triton.jit
-def _bwd_kernel(q_ptr, lat_ptr, idx_ptr, out_ptr, do_ptr, lse_ptr, dq_ptr, dlat_ptr,
-                H, R,
-                stride_qt, stride_qh, stride_lt, stride_it, stride_dlt,
-                qk_scale, scale,
-                W: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, R_PAD: tl.constexpr, IEEE: tl.constexpr):
-    """q, out, do and dq share one [T, H, R] contiguous layout (strides stride_qt, stride_qh, 1)."""
-    t = tl.program_id(0).to(tl.int64)
+def _bwd_dq_kernel(q_ptr, lat_ptr, idx_ptr, out_ptr, do_ptr, lse_ptr, dq_ptr, p_ptr, ds_ptr,
+                   H, R, row0,
+                   stride_qt, stride_qh, stride_lt, stride_it, stride_st, stride_sh,
+                   qk_scale, scale,
+                   W: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, R_PAD: tl.constexpr,
+                   IEEE: tl.constexpr):
+    """Row row0 + c: dq, and P and dS into the chunk's scratch row c ([rows, H, W], the inputs' dtype).
+    q, out, do and dq share one [T, H, R] contiguous layout (strides stride_qt, stride_qh, 1)."""
+    c = tl.program_id(0).to(tl.int64)
+    t = row0 + c
+    heads = tl.arange(0, BLOCK_H)
+    cols = tl.arange(0, R_PAD)
+    hmask = heads < H
+    cmask = cols < R
+    row = t * stride_qt + heads[:, None] * stride_qh + cols[None, :]
+    rmask = hmask[:, None] & cmask[None, :]
+    do = tl.load(do_ptr + row, mask=rmask, other=0.0)
+    o = tl.load(out_ptr + row, mask=rmask, other=0.0)
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)  # rowsum(dO * O) [BLOCK_H]
+    q = tl.load(q_ptr + row, mask=rmask, other=0.0)
+    lse = tl.load(lse_ptr + t * H + heads, mask=hmask, other=0.0)
+    lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)  # an empty row has no valid slot
+    dq = tl.zeros([BLOCK_H, R_PAD], dtype=tl.float32)
+    slots = tl.arange(0, BLOCK_N)
+    for n0 in range(0, W, BLOCK_N):
+        ids = tl.load(idx_ptr + t * stride_it + n0 + slots, mask=n0 + slots < W, other=-1).to(tl.int64)
+        valid = ids >= 0
+        if tl.max(valid.to(tl.int32), 0) > 0:  # the same skip as the forward's (and _bwd_dlat_kernel's)
+            k = tl.load(lat_ptr + ids[:, None] * stride_lt + cols[None, :],
+                        mask=valid[:, None] & cmask[None, :], other=0.0)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+                dp = tl.dot(do, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+                dp = tl.dot(do, tl.trans(k))
+            p = tl.where(hmask[:, None] & valid[None, :], tl.exp2(s * qk_scale - lse2[:, None]), 0.0)
+            ds = (p * (dp - delta[:, None]) * scale).to(k.dtype)
+            if IEEE:
+                dq = tl.dot(ds, k, dq, input_precision="ieee")
+            else:
+                dq = tl.dot(ds, k, dq)
+            at = c * stride_st + heads[:, None] * stride_sh + (n0 + slots)[None, :]
+            smask = hmask[:, None] & (n0 + slots < W)[None, :]
+            tl.store(p_ptr + at, p.to(k.dtype), mask=smask)
+            tl.store(ds_ptr + at, ds, mask=smask)
+    tl.store(dq_ptr + row, dq.to(dq_ptr.dtype.element_ty), mask=rmask)
+
+
+@triton.jit
+def _bwd_dlat_kernel(q_ptr, do_ptr, idx_ptr, p_ptr, ds_ptr, dlat_ptr,
+                     H, R, row0,
+                     stride_qt, stride_qh, stride_it, stride_st, stride_sh, stride_dlt,
+                     W: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, R_PAD: tl.constexpr,
+                     IEEE: tl.constexpr):
+    """Row row0 + c: dK = dS^T q + P^T dO per key block, scatter-added into dlat [T, R] fp32."""
+    c = tl.program_id(0).to(tl.int64)
+    t = row0 + c
     heads = tl.arange(0, BLOCK_H)
     cols = tl.arange(0, R_PAD)
     hmask = heads < H
@@ -158,36 +220,23 @@ def _bwd_kernel(q_ptr, lat_ptr, idx_ptr, out_ptr, do_ptr, lse_ptr, dq_ptr, dlat_
     rmask = hmask[:, None] & cmask[None, :]
     q = tl.load(q_ptr + row, mask=rmask, other=0.0)
     do = tl.load(do_ptr + row, mask=rmask, other=0.0)
-    o = tl.load(out_ptr + row, mask=rmask, other=0.0)
-    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)  # rowsum(dO * O) [BLOCK_H]
-    lse = tl.load(lse_ptr + t * H + heads, mask=hmask, other=0.0)
-    lse2 = tl.where(lse == float("-inf"), 0.0, lse * 1.4426950408889634)  # an empty row has no valid slot
-    dq = tl.zeros([BLOCK_H, R_PAD], dtype=tl.float32)
     slots = tl.arange(0, BLOCK_N)
     for n0 in range(0, W, BLOCK_N):
         ids = tl.load(idx_ptr + t * stride_it + n0 + slots, mask=n0 + slots < W, other=-1).to(tl.int64)
         valid = ids >= 0
-        kmask = valid[:, None] & cmask[None, :]
-        k = tl.load(lat_ptr + ids[:, None] * stride_lt + cols[None, :], mask=kmask, other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            dp = tl.dot(do, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-            dp = tl.dot(do, tl.trans(k))
-        p = tl.where(hmask[:, None] & valid[None, :], tl.exp2(s * qk_scale - lse2[:, None]), 0.0)
-        ds = (p * (dp - delta[:, None]) * scale).to(k.dtype)
-        pl = p.to(k.dtype)
-        if IEEE:
-            dq = tl.dot(ds, k, dq, input_precision="ieee")
-            dk = tl.dot(tl.trans(ds), q, input_precision="ieee")
-            dk = tl.dot(tl.trans(pl), do, dk, input_precision="ieee")
-        else:
-            dq = tl.dot(ds, k, dq)
-            dk = tl.dot(tl.trans(ds), q)
-            dk = tl.dot(tl.trans(pl), do, dk)
-        tl.atomic_add(dlat_ptr + ids[:, None] * stride_dlt + cols[None, :], dk, mask=kmask, sem="relaxed")
-    tl.store(dq_ptr + row, dq.to(dq_ptr.dtype.element_ty), mask=rmask)
+        if tl.max(valid.to(tl.int32), 0) > 0:
+            at = c * stride_st + heads[None, :] * stride_sh + (n0 + slots)[:, None]  # [BLOCK_N, BLOCK_H]
+            tmask = valid[:, None] & hmask[None, :]
+            p_t = tl.load(p_ptr + at, mask=tmask, other=0.0)
+            ds_t = tl.load(ds_ptr + at, mask=tmask, other=0.0)
+            if IEEE:
+                dk = tl.dot(ds_t, q, input_precision="ieee")
+                dk = tl.dot(p_t, do, dk, input_precision="ieee")
+            else:
+                dk = tl.dot(ds_t, q)
+                dk = tl.dot(p_t, do, dk)
+            tl.atomic_add(dlat_ptr + ids[:, None] * stride_dlt + cols[None, :], dk,
+                          mask=valid[:, None] & cmask[None, :], sem="relaxed")
 
 
 def _pow2(n: int, least: int = 16) -> int:
@@ -227,8 +276,13 @@ def forward(q_lat, latent, idx, scale, *, BLOCK_N=None, BLOCK_RO=None, num_warps
     return out, lse
 
 
-def backward(q_lat, latent, idx, out, lse, grad_out, scale, *, BLOCK_N=None, num_warps=None, num_stages=None):
-    """Triton backward -> (grad q_lat, grad latent) in the inputs' dtype; keywords override BWD_CONFIG."""
+def backward(q_lat, latent, idx, out, lse, grad_out, scale, *, BLOCK_N=None, num_warps=None, num_stages=None,
+             scratch_elements=None):
+    """Triton backward -> (grad q_lat, grad latent) in the inputs' dtype; keywords override BWD_CONFIG.
+
+    Rows go in chunks whose P and dS scratch ([rows, H, W] each, the inputs' dtype) stays within
+    `scratch_elements` (default BWD_SCRATCH_ELEMENTS): per chunk `_bwd_dq_kernel`, then `_bwd_dlat_kernel`."""
+    _check(q_lat, latent, idx)
     q_lat, latent, idx = q_lat.contiguous(), latent.contiguous(), idx.contiguous()
     out, grad_out = out.contiguous(), grad_out.contiguous().to(q_lat.dtype)
     T, H, R = q_lat.shape
@@ -238,13 +292,22 @@ def backward(q_lat, latent, idx, out, lse, grad_out, scale, *, BLOCK_N=None, num
                 if v is not None})
     grad_q = torch.empty_like(q_lat)
     grad_latent = torch.zeros(latent.shape, dtype=torch.float32, device=latent.device)
-    if T > 0:
-        _bwd_kernel[(T,)](q_lat, latent, idx, out, grad_out, lse.float().contiguous(), grad_q, grad_latent,
-                          H, R, q_lat.stride(0), q_lat.stride(1), latent.stride(0), idx.stride(0),
-                          grad_latent.stride(0), float(scale) * LOG2E, float(scale),
-                          W=W, BLOCK_H=_pow2(H), BLOCK_N=_pow2(cfg["BLOCK_N"]), R_PAD=_pow2(R),
-                          IEEE=q_lat.dtype == torch.float32,
-                          num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    if T == 0 or W == 0:
+        return grad_q.zero_(), grad_latent.to(latent.dtype)
+    rows = max(1, min(T, (scratch_elements or BWD_SCRATCH_ELEMENTS) // (H * W)))
+    probs = torch.empty(rows, H, W, dtype=q_lat.dtype, device=q_lat.device)
+    dscores = torch.empty_like(probs)
+    lse = lse.float().contiguous()
+    shape = dict(W=W, BLOCK_H=_pow2(H), BLOCK_N=_pow2(cfg["BLOCK_N"]), R_PAD=_pow2(R),
+                 IEEE=q_lat.dtype == torch.float32, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    for row0 in range(0, T, rows):
+        n = min(rows, T - row0)
+        _bwd_dq_kernel[(n,)](q_lat, latent, idx, out, grad_out, lse, grad_q, probs, dscores,
+                             H, R, row0, q_lat.stride(0), q_lat.stride(1), latent.stride(0), idx.stride(0),
+                             probs.stride(0), probs.stride(1), float(scale) * LOG2E, float(scale), **shape)
+        _bwd_dlat_kernel[(n,)](q_lat, grad_out, idx, probs, dscores, grad_latent,
+                               H, R, row0, q_lat.stride(0), q_lat.stride(1), idx.stride(0),
+                               probs.stride(0), probs.stride(1), grad_latent.stride(0), **shape)
     return grad_q, grad_latent.to(latent.dtype)
 
 

@@ -1,6 +1,7 @@
 """KDA kernels behind one interface. `get_backend(name)` returns a module-like object with
 `chunk_kda(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-cu_seqlens, cu_seqlens_cpu)` and `recurrent_step(q, k, v, g, beta, state)` (cu_seqlens_cpu: the same
+cu_seqlens, cu_seqlens_cpu)` and `recurrent_step(q, k, v, g, beta, state)` and
+`short_conv(q, k, v, weight, positions, cu_seqlens, cu_seqlens_cpu)` (cu_seqlens_cpu: the same
 offsets on the host, so that planning the varlen chunks never reads the device).
 
 - "torch": `naive.py`, pure torch, CPU and GPU; the reference.

@@ -1,4 +1,5 @@
-"""fla backend (CUDA): `chunk_kda` for train and prefill, `fused_recurrent_kda` for decode."""
+"""fla backend (CUDA): `chunk_kda` for train and prefill, `fused_recurrent_kda` for decode, and
+fla's varlen `causal_conv1d` (forward and backward kernels) for the short convs in front of them."""
 
 from __future__ import annotations
 
@@ -22,6 +23,18 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     return chunk(q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_state,
                  output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                  cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
+
+
+def short_conv(q, k, v, weight, positions, cu_seqlens, cu_seqlens_cpu=None):
+    """Same contract as naive.short_conv (which it is tested against): one fla kernel per part, SiLU
+    fused, sums in fp32, sequences never mixed (cu_seqlens); positions are not needed."""
+    try:
+        from fla.modules.causal_conv1d import causal_conv1d
+    except ImportError as err:
+        raise ImportError(f"KDA backend 'fla' needs flash-linear-attention (fla-core) 0.6 ({err})") from err
+    return [causal_conv1d(part[None], weight=w, activation="silu", cu_seqlens=cu_seqlens,
+                          cu_seqlens_cpu=cu_seqlens_cpu)[0][0]
+            for part, w in zip((q, k, v), weight.chunk(3))]
 
 
 def recurrent_step(q, k, v, g, beta, state):

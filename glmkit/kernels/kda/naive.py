@@ -9,6 +9,9 @@ Recurrence per head:  S' = diag(exp g_t) S;  S = S' + beta_t k_t (v_t - S'^T k_t
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+
+from glmkit.kernels.fuse import fusable
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -23,6 +26,24 @@ def _prepare(q, k, v, g, beta, scale, use_qk_l2norm):
     if scale is None:
         scale = q.shape[-1] ** -0.5
     return q * scale, k, v, g, beta
+
+
+@fusable
+def short_conv(q, k, v, weight: torch.Tensor, positions: torch.Tensor, cu_seqlens=None, cu_seqlens_cpu=None):
+    """SiLU(causal depthwise conv) of the q, k and v projections over packed rows, in fp32, never
+    across sequences. q, k, v [T, C] each, weight [3C, kernel] fp32 (q, k, v channels), positions
+    [T] (index inside each sequence) -> three [T, C] in the inputs' dtype:
+    out[t] = sum_s w[kernel-1-s] * in[t-s] over s <= positions[t]. (The offsets are for kernels that
+    walk sequences; positions say the same here.)"""
+    kernel = weight.shape[1]
+    outs = []
+    for part, w in zip((q, k, v), weight.chunk(3)):
+        conv = torch.zeros_like(part, dtype=torch.float32)
+        for shift in range(kernel):
+            src = part.float() if shift == 0 else F.pad(part.float(), (0, 0, shift, 0))[:-shift]
+            conv = conv + w[:, kernel - 1 - shift] * src * (positions >= shift)[:, None]
+        outs.append(F.silu(conv).to(part.dtype))
+    return outs
 
 
 def recurrent_step(q, k, v, g, beta, state):
