@@ -6,8 +6,10 @@
 
 Weights: seeded random (glmkit's synth rules) made on the device, shared with the reference. Rows:
 - decode-B: B prompts of `--prompt-len` random tokens prefilled, then `--steps` greedy decode steps
-  timed (after 2 warm-up steps); ms per step and tokens/s for glmkit (`RolloutEngine.step`) and the
-  reference (`forward` with its cache), their ratio. The prefill is timed apart.
+  timed (after 2 warm-up steps); ms per step and tokens/s for glmkit (`RolloutEngine.step`, eager),
+  glmkit with the step as a CUDA graph (`GraphedStep`, where the engine can graph it; its capture is
+  timed apart) and the reference (`forward` with its cache), the ratio reference / glmkit's best.
+  The prefill is timed apart.
 - mixed: `--mixed` requests, prompts of `--prompt-len`, response lengths drawn from 16..`--mixed-max`
   (seeded), through `generate_continuous` with `--mixed` slots, end to end in tokens/s, against the
   same requests all at the mean length (fixed): the ratio fixed / mixed is what the target bounds.
@@ -53,7 +55,7 @@ def main(argv=None):
     from glmkit.checkpoint.synth import synth_model
     from glmkit.config import describe, variant_config
     from glmkit.model import RolloutEngine
-    from glmkit.model.rollout import SamplingParams
+    from glmkit.model.rollout import GraphedStep, SamplingParams
 
     dev, dtype = args.device, getattr(torch, args.dtype)
     config = variant_config(args.variant)
@@ -68,7 +70,7 @@ def main(argv=None):
         row = {"row": f"decode-{B}", "batch": B, "prompt_len": args.prompt_len, "steps": args.steps}
         with torch.no_grad():
             start = time.perf_counter()
-            batch, logits = engine.prefill(ids.tolist(), args.prompt_len + args.steps + 2)
+            batch, logits = engine.prefill(ids.tolist(), args.prompt_len + 2 * (args.steps + 2) + 4)
             sync(dev)
             row["glmkit_prefill_s"] = time.perf_counter() - start
             tokens = logits.argmax(-1)
@@ -80,7 +82,21 @@ def main(argv=None):
                 tokens = engine.step(batch, tokens).argmax(-1)
                 ours.append(tokens)
             sync(dev)
-            row["glmkit_ms_per_step"] = (time.perf_counter() - start) / args.steps * 1e3
+            row["glmkit_ms_per_step"] = row["glmkit_eager_ms_per_step"] = (time.perf_counter() - start) / args.steps * 1e3
+            if engine.can_graph():  # the same batch goes on, one graph replay a step
+                start = time.perf_counter()
+                graphed = GraphedStep(engine, batch)
+                sync(dev)
+                row["graph_capture_s"] = time.perf_counter() - start
+                more = tokens
+                for i in range(args.steps + 2):
+                    if i == 2:
+                        sync(dev)
+                        start = time.perf_counter()
+                    more = graphed(more).argmax(-1)
+                sync(dev)
+                row["glmkit_graph_ms_per_step"] = (time.perf_counter() - start) / args.steps * 1e3
+                row["glmkit_ms_per_step"] = min(row["glmkit_ms_per_step"], row["glmkit_graph_ms_per_step"])
             if ref is not None:
                 start = time.perf_counter()
                 out = ref(input_ids=ids, use_cache=True)
@@ -102,8 +118,10 @@ def main(argv=None):
                 # sanity: both sides predict the same next tokens (bf16 may flip a few near-ties)
                 row["greedy_agree"] = (torch.stack(ours) == torch.stack(theirs)).float().mean().item()
         rows.append(row)
+        graph_note = (f", eager {row['glmkit_eager_ms_per_step']:.2f} ms, graph capture {row['graph_capture_s']:.1f} s"
+                      if "graph_capture_s" in row else "")
         print(f"decode B={B:4d}: glmkit {row['glmkit_ms_per_step']:8.2f} ms/step "
-              f"({B / row['glmkit_ms_per_step'] * 1e3:8.0f} tok/s, prefill {row['glmkit_prefill_s']:.2f} s)"
+              f"({B / row['glmkit_ms_per_step'] * 1e3:8.0f} tok/s, prefill {row['glmkit_prefill_s']:.2f} s{graph_note})"
               + (f"   reference {row['reference_ms_per_step']:8.2f} ms/step (prefill {row['reference_prefill_s']:.2f} s)"
                  f"   ratio {row['ratio']:.2f}x, greedy tokens agree {row['greedy_agree']:.0%}"
                  if "ratio" in row else ""), flush=True)

@@ -18,6 +18,7 @@ import torch
 from glmkit.kernels.backends import Backends
 from glmkit.model.block import Run
 from glmkit.model.model import Glm5Model
+from glmkit.model.moe import grouped_mm_available
 from glmkit.model.packed import pack
 
 
@@ -69,6 +70,14 @@ class RolloutEngine:
         self.backends = Backends.parse(backends)
         self.backends.kda_ops(), self.backends.dsa_ops()  # an unavailable backend fails here, named
 
+    def can_graph(self) -> bool:
+        """Whether decode steps can run as CUDA graphs (GraphedStep): caches on CUDA and every MoE layer
+        on the grouped GEMMs (the per-expert loop reads expert counts back to the host)."""
+        probe = torch.empty(0, dtype=self.model.dtype, device=self.model.device)
+        config = self.model.config
+        return (probe.is_cuda and self.backends.moe != "loop"
+                and grouped_mm_available(probe, config.hidden_size, config.moe_intermediate_size))
+
     def _empty_states(self, batch: int, capacity: int):
         dtype, device = self.model.dtype, self.model.device
         return [layer.self_attn.empty_state(batch, dtype, device) if layer.kind == "kda"
@@ -111,10 +120,12 @@ class RolloutEngine:
 
     @torch.no_grad()
     def generate(self, prompts, params: SamplingParams, seed: int = 0, record_routing: bool = False,
-                 record_topk: bool = False) -> list[Completion]:
+                 record_topk: bool = False, graphs: bool | None = None) -> list[Completion]:
         """Sample a completion for every prompt (batched, different lengths). With record_routing,
         each completion carries the experts its tokens were routed to (for routing replay); with
-        record_topk, the DSA positions they selected (for top-k replay)."""
+        record_topk, the DSA positions they selected (for top-k replay). `graphs`: decode steps as
+        one CUDA graph (None: where `can_graph()` and more than GRAPH_MIN_STEPS steps may run, so
+        the capture pays for itself)."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("generate needs at least one prompt and every prompt needs at least one token")
         generator = torch.Generator(device=self.model.device).manual_seed(seed)
@@ -122,22 +133,29 @@ class RolloutEngine:
         wanted = _recorded_sites(record_routing, record_topk)
         done = _new_completions(prompts, wanted)
         batch, logits = self.prefill(prompts, capacity, record=_prefill_recorder(done, prompts, wanted))
-        active = torch.ones(len(prompts), dtype=torch.bool, device=logits.device)
-        stop = torch.tensor(params.stop_token_ids, dtype=torch.long, device=logits.device)
+        if graphs is None:
+            graphs = self.can_graph() and params.max_new_tokens > GRAPH_MIN_STEPS
+        graph = None
+        active, stop = [True] * len(prompts), set(params.stop_token_ids)
         for step in range(params.max_new_tokens):
             tokens, logprobs = sample(logits, params, generator)
-            live = active.nonzero().flatten().tolist()
-            for i in live:
-                done[i].tokens.append(int(tokens[i]))
-                done[i].logprobs.append(float(logprobs[i]))
-            finished = active & torch.isin(tokens, stop)
-            for i in finished.nonzero().flatten().tolist():
-                done[i].finish_reason = "stop"
-            active &= ~finished
-            if not active.any() or step == params.max_new_tokens - 1:
+            # one device-to-host copy a step (fp64 holds every token id and fp32 log-prob exactly)
+            host_tokens, host_logprobs = torch.stack([tokens.double(), logprobs.double()]).cpu().tolist()
+            for i in (i for i in range(len(prompts)) if active[i]):
+                done[i].tokens.append(int(host_tokens[i]))
+                done[i].logprobs.append(host_logprobs[i])
+                if done[i].tokens[-1] in stop:
+                    done[i].finish_reason, active[i] = "stop", False
+            if not any(active) or step == params.max_new_tokens - 1:
                 break
-            feeding = active.nonzero().flatten().tolist()
-            logits = self.step(batch, tokens, record=_step_recorder([(i, done[i]) for i in feeding], wanted))
+            record = _step_recorder([(i, done[i]) for i in range(len(prompts)) if active[i]], wanted)
+            if not graphs:
+                logits = self.step(batch, tokens, record=record)
+                continue
+            if graph is None:
+                graph = GraphedStep(self, batch, record_sites=wanted)
+            logits = graph(tokens)
+            graph.replay_records(record)
         for c in done:
             _close_records(c, wanted)
         return done
@@ -145,11 +163,11 @@ class RolloutEngine:
     @torch.no_grad()
     def generate_continuous(self, prompts, params: SamplingParams, max_batch: int, seed: int = 0,
                             max_new_tokens: list | None = None, record_routing: bool = False,
-                            record_topk: bool = False) -> list[Completion]:
+                            record_topk: bool = False, graphs: bool | None = None) -> list[Completion]:
         """Continuous batching over `max_batch` cache slots (a SlotBatch): requests join when a slot
         frees (those joining together are prefilled together, between decode steps) and leave when
         they finish (stop token or their length limit: `max_new_tokens[i]`, else params').
-        Completions as `generate`, in the order of `prompts`."""
+        Completions as `generate`, in the order of `prompts`; `graphs` as SlotBatch's."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("generate needs at least one prompt and every prompt needs at least one token")
         if max_batch < 1:
@@ -158,7 +176,8 @@ class RolloutEngine:
         if len(limits) != len(prompts) or any(int(n) < 1 for n in limits):
             raise ValueError(f"max_new_tokens needs one limit >= 1 per prompt ({len(prompts)} prompts), got {limits}")
         capacity = max(len(p) + n for p, n in zip(prompts, limits))
-        slots = SlotBatch(self, min(max_batch, len(prompts)), capacity, params, seed, record_routing, record_topk)
+        slots = SlotBatch(self, min(max_batch, len(prompts)), capacity, params, seed, record_routing, record_topk,
+                          graphs=graphs)
         waiting, done = deque(range(len(prompts))), [None] * len(prompts)
         while waiting or slots.busy:
             joining = [waiting.popleft() for _ in range(min(slots.free, len(waiting)))]
@@ -176,15 +195,21 @@ class SlotBatch:
     `step` advances every occupied slot by one token (all slots run: static shapes; a free slot
     computes on a dummy token at position 0); `finished` hands back the completions that ended (stop
     token, their own length limit, or `cancelled(tag)`). One sampling setup for all requests; the host
-    reads the sampled tokens once per step."""
+    reads the sampled tokens once per step. `graphs` (None: `engine.can_graph()`): every step is one
+    replay of a CUDA graph captured at the first step; the caches are its static buffers, so joins
+    and leaves write them in place."""
 
     def __init__(self, engine: RolloutEngine, slots: int, capacity: int, params: SamplingParams, seed: int = 0,
-                 record_routing: bool = False, record_topk: bool = False, cancelled=None):
+                 record_routing: bool = False, record_topk: bool = False, cancelled=None,
+                 graphs: bool | None = None):
         device = engine.model.device
         self.engine, self.capacity, self.params, self.cancelled = engine, capacity, params, cancelled
         self.states = engine._empty_states(slots, capacity)
         self.lengths = torch.zeros(slots, dtype=torch.long, device=device)
+        self.occupied = torch.zeros(slots, dtype=torch.bool, device=device)
         self.feed = torch.zeros(slots, dtype=torch.long, device=device)
+        self.graphs = engine.can_graph() if graphs is None else graphs
+        self.graph = None
         self.owner = [None] * slots  # (tag, Completion, limit) per slot, None when free
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.stop = set(params.stop_token_ids)
@@ -219,6 +244,7 @@ class SlotBatch:
             for slot_state, new_state in zip(self.states, batch.states):
                 _copy_into_slot(slot_state, new_state, s, j)
             self.lengths[s] = len(prompts[j])
+            self.occupied[s] = True
             self.owner[s] = (tags[j], completions[j], int(limits[j]))
         self._take(logits, into)
         return every_row
@@ -228,11 +254,18 @@ class SlotBatch:
         fed = [s for s, o in enumerate(self.owner) if o is not None]
         if not fed:
             return
-        batch = DecodeBatch(self.states, self.lengths)
-        logits = self.engine.step(batch, self.feed,
-                                  record=_step_recorder([(s, self.owner[s][1]) for s in fed], self.wanted))
-        occupied = torch.tensor([o is not None for o in self.owner], device=self.lengths.device)
-        self.lengths = torch.where(occupied, batch.lengths, 0)  # a free slot stays at position 0
+        record = _step_recorder([(s, self.owner[s][1]) for s in fed], self.wanted)
+        if self.graphs:
+            if self.graph is None:
+                self.graph = GraphedStep(self.engine, DecodeBatch(self.states, self.lengths),
+                                         record_sites=self.wanted)
+            logits = self.graph(self.feed)  # lengths advance in place
+            self.graph.replay_records(record)
+        else:
+            batch = DecodeBatch(self.states, self.lengths)
+            logits = self.engine.step(batch, self.feed, record=record)
+            self.lengths.copy_(batch.lengths)
+        self.lengths.masked_fill_(~self.occupied, 0)  # a free slot stays at position 0
         self._take(logits[fed], fed)
 
     def finished(self) -> list:
@@ -256,6 +289,11 @@ class SlotBatch:
             _close_records(c, self.wanted)
             self.ended.append((tag, c))
             self.owner[s] = None
+            self.occupied[s] = False
+
+
+# generate() captures its decode step as a CUDA graph only when more steps than this may run.
+GRAPH_MIN_STEPS = 8
 
 
 def _recorded_sites(routing: bool, topk: bool) -> dict:
@@ -314,15 +352,18 @@ class GraphedStep:
     are copied in and the logits [B, V] (fp32) are one static tensor, overwritten by the next call.
 
     The step is graph-safe by construction: shapes depend only on the cache sizes, nothing is read
-    back to the host, states are updated in place. Not in a graph: recording sites (R3, top-k
-    replay: those steps run eagerly) and the CPU. Needs the grouped MoE (bf16 on CUDA): the
-    per-expert loop reads expert counts back to the host."""
+    back to the host, states are updated in place. `record_sites` (e.g. router_experts and
+    indexer_topk for R3 and top-k replay) are kept as the graph's own tensors, which every replay
+    rewrites: `replay_records` hands them to a `record` observer from one device-to-host copy. Not in
+    a graph: top-k replay into a step, indexer or router scores, the CPU. Needs the grouped MoE (bf16
+    on CUDA): the per-expert loop reads expert counts back to the host."""
 
-    def __init__(self, engine: RolloutEngine, batch: DecodeBatch, warmup: int = 2):
+    def __init__(self, engine: RolloutEngine, batch: DecodeBatch, warmup: int = 2, record_sites=()):
         if batch.lengths.device.type != "cuda":
             raise ValueError(f"CUDA graphs need the caches on a CUDA device, got {batch.lengths.device}")
-        self.engine, self.batch = engine, batch
+        self.engine, self.batch, self.sites = engine, batch, frozenset(record_sites)
         self.tokens = torch.zeros_like(batch.lengths)
+        self.held = []  # (layer, site, tensor) the captured step recorded
         saved = [t.clone() for t in _decode_buffers(batch)]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -338,15 +379,29 @@ class GraphedStep:
 
     @torch.no_grad()
     def _step(self):
-        logits = self.engine._decode(self.batch, self.tokens)
+        self.held = []
+        logits = self.engine._decode(self.batch, self.tokens, self._hold if self.sites else None)
         self.batch.lengths.add_(1)  # in place: the graph's lengths buffer
         return logits
+
+    def _hold(self, layer, site, value):
+        if site in self.sites:
+            self.held.append((layer, site, value))  # the reference also keeps the graph from reusing it
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [B] -> logits [B, V], as RolloutEngine.step(batch, tokens)."""
         self.tokens.copy_(tokens)
         self.graph.replay()
         return self.logits
+
+    def replay_records(self, record):
+        """Call `record(layer, site, host tensor)` for every recorded site of the last replay."""
+        if record is None or not self.held:
+            return
+        raw = torch.cat([v.contiguous().view(-1).view(torch.uint8) for _, _, v in self.held]).cpu()  # any dtypes
+        sizes = [v.numel() * v.element_size() for _, _, v in self.held]
+        for (layer, site, value), part in zip(self.held, raw.split(sizes)):
+            record(layer, site, part.view(value.dtype).view(value.shape))
 
 
 def _cache_tensors(state):
