@@ -45,8 +45,8 @@ number of (row, non-empty slot) pairs (`useful_flops`). The kernel executes
 (2 * splits + 2) * H * R flops per slot, splits = R_PAD / BLOCK_RO (each split redoes the scores),
 over all T * ceil(W / BLOCK_N) * BLOCK_N slots: empty slots still go through the dots.
 
-Backward: `SparseMQATriton` reuses `absorbed.SparseMQA._backward` (torch, recomputing from lse);
-with `TRITON_BACKWARD = True` it runs two Triton kernels instead, each with grid (rows,). One kernel
+Backward: `SparseMQATriton` runs two Triton kernels, each with grid (rows,) (`TRITON_BACKWARD =
+False` reuses `absorbed.SparseMQA._backward` instead: torch, recomputing from lse). One kernel
 holding everything (q, dO, the key tile in shared memory, dq [H, R] and dK [BLOCK_N, R] accumulating
 in registers) does not fit an H200's shared memory at R = 512 (303 KiB asked at BLOCK_N = 32), so:
 - `_bwd_dq_kernel` is the forward's loop with dO beside q: per key block p = exp2(s * log2e - lse *
@@ -83,8 +83,9 @@ BWD_CONFIG = dict(BLOCK_N=32, num_warps=8, num_stages=1)
 # Elements of each of the backward's two scratch tensors (P and dS of a chunk of rows, [rows, H, W]):
 # 2^28 is 512 MiB each in bf16, ~2000 rows of 64 heads x 2063 slots.
 BWD_SCRATCH_ELEMENTS = 1 << 28
-# The backward of SparseMQATriton: False = absorbed.SparseMQA's torch backward, True = _bwd_kernel.
-TRITON_BACKWARD = False
+# The backward of SparseMQATriton: True = the two Triton kernels (17.0 ms at T = 4096, W = 2063 on an
+# H200), False = absorbed.SparseMQA's torch backward (20.2 ms); bench_sparse_mla_gpu.py measures both.
+TRITON_BACKWARD = True
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 

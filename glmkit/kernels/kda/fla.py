@@ -3,6 +3,10 @@ fla's varlen `causal_conv1d` (forward and backward kernels) for the short convs 
 
 from __future__ import annotations
 
+# From benchmarks/bench_short_conv_gpu.py on an H200 (64 x 128 channels per part, bf16): fla's kernel
+# is 0.73x the inductor-fused reference at 4096 tokens and 2.9x at 32768 (forward; 0.80x and 1.81x
+# with the backward); the lines cross near 5-6k tokens.
+FLA_CONV_MIN_TOKENS = 8192
 
 
 def _ops():
@@ -27,7 +31,12 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
 
 def short_conv(q, k, v, weight, positions, cu_seqlens, cu_seqlens_cpu=None):
     """Same contract as naive.short_conv (which it is tested against): one fla kernel per part, SiLU
-    fused, sums in fp32, sequences never mixed (cu_seqlens); positions are not needed."""
+    fused, sums in fp32, sequences never mixed (cu_seqlens). Below FLA_CONV_MIN_TOKENS packed tokens
+    the reference runs instead (fused by inductor where the run fuses): it is the faster one there."""
+    if q.shape[0] < FLA_CONV_MIN_TOKENS:
+        from glmkit.kernels.kda import naive
+
+        return naive.short_conv(q, k, v, weight, positions, cu_seqlens, cu_seqlens_cpu)
     try:
         from fla.modules.causal_conv1d import causal_conv1d
     except ImportError as err:
