@@ -54,6 +54,33 @@ def test_every_request_gets_its_completion_alone(engine, slots):
         assert c.routing[3].shape[0] == fed and c.topk[3].shape[0] == fed
 
 
+def test_a_draining_batch_moves_to_a_smaller_bucket_and_keeps_every_completion(engine, monkeypatch):
+    """Five slots, two long requests (slots 0 and 4) and three short ones: once two short ones leave,
+    three requests fit the 4-slot bucket, so the one in slot 4 moves to slot 1 (its caches copied);
+    then the steps run over 2 slots, and over 1 for the longest request's tail. Every request still
+    gets its completion alone (see the module)."""
+    from glmkit.model.rollout import SlotBatch
+
+    prompts, _ = workload(5, seed=3)
+    limits = [12, 2, 3, 2, 10]
+    params = SamplingParams(temperature=0, max_new_tokens=12)
+    slots = SlotBatch(engine, 5, max(map(len, prompts)) + 12, params, record_routing=True, record_topk=True)
+    sizes = []
+    real_step = engine.step
+    monkeypatch.setattr(engine, "step", lambda batch, tokens, **kw: sizes.append(len(tokens)) or real_step(batch, tokens, **kw))
+    slots.join(prompts, limits, list(range(5)))
+    got = {}
+    while slots.busy:
+        slots.step()
+        got.update(slots.finished())
+    assert sizes == [5, 4] + [2] * 7 + [1] * 2  # a token a step after the first (sampled at the join)
+    assert slots.owner == [None] * 5 and not slots.occupied.any() and not slots.lengths.any()
+    for i, (prompt, limit) in enumerate(zip(prompts, limits)):
+        alone = engine.generate([prompt], SamplingParams(temperature=0, max_new_tokens=limit), record_routing=True,
+                                record_topk=True)[0]
+        assert_same(alone, got[i])
+
+
 def test_stop_tokens_free_slots_for_waiting_requests(engine):
     prompts, _ = workload(6, seed=1)
     free_run = engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=12))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field, fields, is_dataclass, replace
 
 import torch
 
@@ -195,9 +195,15 @@ class SlotBatch:
     `step` advances every occupied slot by one token (all slots run: static shapes; a free slot
     computes on a dummy token at position 0); `finished` hands back the completions that ended (stop
     token, their own length limit, or `cancelled(tag)`). One sampling setup for all requests; the host
-    reads the sampled tokens once per step. `graphs` (None: `engine.can_graph()`): every step is one
-    replay of a CUDA graph captured at the first step; the caches are its static buffers, so joins
-    and leaves write them in place."""
+    reads the sampled tokens once per step.
+
+    Steps run over the first `bucket` slots only, the smallest of 1, 2, 4, ... (and `slots`) that
+    holds every request: when requests leave and the occupied count fits a smaller bucket, the
+    requests above it move down into free slots (their caches copied), so a draining batch (the
+    long tail of mixed response lengths) steps at the cost of its size, not of all slots.
+    `graphs` (None: `engine.can_graph()`): every step is one replay of a CUDA graph, captured per
+    bucket at its first use over views of the caches (their first `bucket` slots), which are the
+    graphs' static buffers: joins, leaves and moves write them in place."""
 
     def __init__(self, engine: RolloutEngine, slots: int, capacity: int, params: SamplingParams, seed: int = 0,
                  record_routing: bool = False, record_topk: bool = False, cancelled=None,
@@ -209,7 +215,8 @@ class SlotBatch:
         self.occupied = torch.zeros(slots, dtype=torch.bool, device=device)
         self.feed = torch.zeros(slots, dtype=torch.long, device=device)
         self.graphs = engine.can_graph() if graphs is None else graphs
-        self.graph = None
+        self.buckets = sorted({min(1 << i, slots) for i in range(slots.bit_length() + 1)})
+        self.graph_of = {}  # bucket -> GraphedStep
         self.owner = [None] * slots  # (tag, Completion, limit) per slot, None when free
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.stop = set(params.stop_token_ids)
@@ -254,19 +261,38 @@ class SlotBatch:
         fed = [s for s, o in enumerate(self.owner) if o is not None]
         if not fed:
             return
+        size = self._bucket(len(fed))
+        if fed[-1] >= size:  # requests sit above the bucket their count fits: move them down
+            fed = self._compact(size)
         record = _step_recorder([(s, self.owner[s][1]) for s in fed], self.wanted)
+        batch = DecodeBatch([_first_slots(state, size) for state in self.states], self.lengths[:size])
         if self.graphs:
-            if self.graph is None:
-                self.graph = GraphedStep(self.engine, DecodeBatch(self.states, self.lengths),
-                                         record_sites=self.wanted)
-            logits = self.graph(self.feed)  # lengths advance in place
-            self.graph.replay_records(record)
+            if size not in self.graph_of:
+                self.graph_of[size] = GraphedStep(self.engine, batch, record_sites=self.wanted)
+            logits = self.graph_of[size](self.feed[:size])  # lengths advance in place
+            self.graph_of[size].replay_records(record)
         else:
-            batch = DecodeBatch(self.states, self.lengths)
-            logits = self.engine.step(batch, self.feed, record=record)
-            self.lengths.copy_(batch.lengths)
+            logits = self.engine.step(batch, self.feed[:size], record=record)
+            self.lengths[:size].copy_(batch.lengths)
         self.lengths.masked_fill_(~self.occupied, 0)  # a free slot stays at position 0
         self._take(logits[fed], fed)
+
+    def _bucket(self, n: int) -> int:
+        return next(b for b in self.buckets if b >= n)
+
+    def _compact(self, size: int) -> list:
+        """Move the requests in slots >= size into the free slots below it -> the occupied slots."""
+        holes = [s for s in range(size) if self.owner[s] is None]
+        movers = [s for s in range(size, len(self.owner)) if self.owner[s] is not None]
+        for hole, mover in zip(holes, movers):
+            for state in self.states:
+                for dst in _cache_tensors(state):
+                    dst[hole].copy_(dst[mover])
+            for flags in (self.lengths, self.feed, self.occupied):
+                flags[hole] = flags[mover]
+            self.occupied[mover], self.lengths[mover] = False, 0
+            self.owner[hole], self.owner[mover] = self.owner[mover], None
+        return [s for s, o in enumerate(self.owner) if o is not None]
 
     def finished(self) -> list:
         """(tag, Completion) of every request that ended since the last call."""
@@ -289,7 +315,7 @@ class SlotBatch:
             _close_records(c, self.wanted)
             self.ended.append((tag, c))
             self.owner[s] = None
-            self.occupied[s] = False
+            self.occupied[s], self.lengths[s] = False, 0
 
 
 # generate() captures its decode step as a CUDA graph only when more steps than this may run.
@@ -412,6 +438,12 @@ def _cache_tensors(state):
             yield from _cache_tensors(value)
         elif value is not None:
             yield value
+
+
+def _first_slots(state, n: int):
+    """A layer's cache restricted to its first n slots: views, so that steps write the full cache."""
+    return replace(state, **{f.name: (_first_slots(v, n) if is_dataclass(v) else v[:n] if v is not None else None)
+                             for f in fields(state) for v in (getattr(state, f.name),)})
 
 
 def _decode_buffers(batch: DecodeBatch):
