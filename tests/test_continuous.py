@@ -81,6 +81,31 @@ def test_a_draining_batch_moves_to_a_smaller_bucket_and_keeps_every_completion(e
         assert_same(alone, got[i])
 
 
+def test_graphs_asked_for_on_the_cpu_fail_clearly_and_a_failed_capture_falls_back_to_eager(engine, monkeypatch):
+    """graphs=True on a CPU engine is refused with the reason; a capture that fails (e.g. a module
+    reading a value back mid-step) leaves a one-line warning and the eager steps' completions."""
+    from glmkit.model import rollout
+
+    prompts, limits = workload(3, seed=4)
+    params = SamplingParams(temperature=0, max_new_tokens=12)
+    assert not engine.can_graph()
+    with pytest.raises(ValueError, match="CUDA graphs need the caches on a CUDA device"):
+        engine.generate(prompts, params, graphs=True)
+    want = engine.generate(prompts, params)
+    want_slots = engine.generate_continuous(prompts, params, 2, max_new_tokens=limits)
+
+    def capture_fails(*args, **kwargs):
+        raise RuntimeError("operation not permitted when stream is capturing\nmore detail")
+
+    monkeypatch.setattr(rollout, "GraphedStep", capture_fails)
+    with pytest.warns(UserWarning, match="running it eagerly: operation not permitted when stream is capturing$"):
+        got = engine.generate(prompts, params, graphs=True)
+    with pytest.warns(UserWarning, match="running it eagerly"):
+        got_slots = engine.generate_continuous(prompts, params, 2, max_new_tokens=limits, graphs=True)
+    for a, b in zip(want + want_slots, got + got_slots):
+        assert a.tokens == b.tokens and a.logprobs == b.logprobs
+
+
 def test_stop_tokens_free_slots_for_waiting_requests(engine):
     prompts, _ = workload(6, seed=1)
     free_run = engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=12))

@@ -10,6 +10,7 @@ it completes). Sampling returns each sampled token's log-prob under softmax(logi
 from __future__ import annotations
 
 import itertools
+import warnings
 from collections import deque
 from dataclasses import dataclass, field, fields, is_dataclass, replace
 
@@ -149,11 +150,12 @@ class RolloutEngine:
             if not any(active) or step == params.max_new_tokens - 1:
                 break
             record = _step_recorder([(i, done[i]) for i in range(len(prompts)) if active[i]], wanted)
+            if graphs and graph is None:
+                graph = _graphed_or_eager(self, batch, wanted)
+                graphs = graph is not None
             if not graphs:
                 logits = self.step(batch, tokens, record=record)
                 continue
-            if graph is None:
-                graph = GraphedStep(self, batch, record_sites=wanted)
             logits = graph(tokens)
             graph.replay_records(record)
         for c in done:
@@ -192,10 +194,10 @@ class RolloutEngine:
 class SlotBatch:
     """`slots` decode caches allocated once at `capacity` tokens each, shared by requests that come
     and go: `join` prefills new requests into free slots (zeroed first) and samples their first token;
-    `step` advances every occupied slot by one token (all slots run: static shapes; a free slot
-    computes on a dummy token at position 0); `finished` hands back the completions that ended (stop
-    token, their own length limit, or `cancelled(tag)`). One sampling setup for all requests; the host
-    reads the sampled tokens once per step.
+    `step` advances every occupied slot by one token (the slots of the step's bucket run, static
+    shapes per bucket; a free slot among them computes on a dummy token at position 0); `finished`
+    hands back the completions that ended (stop token, their own length limit, or `cancelled(tag)`).
+    One sampling setup for all requests; the host reads the sampled tokens once per step.
 
     Steps run over the first `bucket` slots only, the smallest of 1, 2, 4, ... (and `slots`) that
     holds every request: when requests leave and the occupied count fits a smaller bucket, the
@@ -266,9 +268,10 @@ class SlotBatch:
             fed = self._compact(size)
         record = _step_recorder([(s, self.owner[s][1]) for s in fed], self.wanted)
         batch = DecodeBatch([_first_slots(state, size) for state in self.states], self.lengths[:size])
+        if self.graphs and size not in self.graph_of:
+            self.graph_of[size] = _graphed_or_eager(self.engine, batch, self.wanted)
+            self.graphs = self.graph_of[size] is not None
         if self.graphs:
-            if size not in self.graph_of:
-                self.graph_of[size] = GraphedStep(self.engine, batch, record_sites=self.wanted)
             logits = self.graph_of[size](self.feed[:size])  # lengths advance in place
             self.graph_of[size].replay_records(record)
         else:
@@ -391,17 +394,19 @@ class GraphedStep:
         self.tokens = torch.zeros_like(batch.lengths)
         self.held = []  # (layer, site, tensor) the captured step recorded
         saved = [t.clone() for t in _decode_buffers(batch)]
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # compiles, autotune and the allocator's first sizes stay out of the graph
-            for _ in range(warmup):
-                self._step()
-        torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.logits = self._step()
-        for t, s in zip(_decode_buffers(batch), saved):  # the warm-up steps wrote into the caches
-            t.copy_(s)
+        try:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # compiles, autotune and the allocator's first sizes stay out of the graph
+                for _ in range(warmup):
+                    self._step()
+            torch.cuda.current_stream().wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.logits = self._step()
+        finally:  # the warm-up steps (and a failed capture) wrote into the caches
+            for t, s in zip(_decode_buffers(batch), saved):
+                t.copy_(s)
 
     @torch.no_grad()
     def _step(self):
@@ -428,6 +433,17 @@ class GraphedStep:
         sizes = [v.numel() * v.element_size() for _, _, v in self.held]
         for (layer, site, value), part in zip(self.held, raw.split(sizes)):
             record(layer, site, part.view(value.dtype).view(value.shape))
+
+
+def _graphed_or_eager(engine: RolloutEngine, batch: DecodeBatch, record_sites):
+    """A GraphedStep for `batch`, or None (with a one-line warning: the caller steps eagerly) when the
+    step cannot be captured, e.g. a module that reads a value back to the host mid-step."""
+    try:
+        return GraphedStep(engine, batch, record_sites=record_sites)
+    except RuntimeError as err:
+        warnings.warn(f"decode step not captured as a CUDA graph, running it eagerly: {str(err).splitlines()[0]}",
+                      stacklevel=3)
+        return None
 
 
 def _cache_tensors(state):
