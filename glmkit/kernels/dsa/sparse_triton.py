@@ -155,6 +155,18 @@ def _fwd_kernel(q_ptr, lat_ptr, idx_ptr, out_ptr, lse_ptr,
 
 
 @triton.jit
+def _row_tile(t, H, R, stride_qt, stride_qh, BLOCK_H: tl.constexpr, R_PAD: tl.constexpr):
+    """Row t of a [T, H, R] tensor (strides stride_qt, stride_qh, 1) as a [BLOCK_H, R_PAD] tile:
+    (t, heads, head mask, columns, column mask, offsets, mask)."""
+    heads = tl.arange(0, BLOCK_H)
+    cols = tl.arange(0, R_PAD)
+    hmask = heads < H
+    cmask = cols < R
+    return (t, heads, hmask, cols, cmask, t * stride_qt + heads[:, None] * stride_qh + cols[None, :],
+            hmask[:, None] & cmask[None, :])
+
+
+@triton.jit
 def _bwd_dq_kernel(q_ptr, lat_ptr, idx_ptr, out_ptr, do_ptr, lse_ptr, dq_ptr, p_ptr, ds_ptr,
                    H, R, row0,
                    stride_qt, stride_qh, stride_lt, stride_it, stride_st, stride_sh,
@@ -164,13 +176,7 @@ def _bwd_dq_kernel(q_ptr, lat_ptr, idx_ptr, out_ptr, do_ptr, lse_ptr, dq_ptr, p_
     """Row row0 + c: dq, and P and dS into the chunk's scratch row c ([rows, H, W], the inputs' dtype).
     q, out, do and dq share one [T, H, R] contiguous layout (strides stride_qt, stride_qh, 1)."""
     c = tl.program_id(0).to(tl.int64)
-    t = row0 + c
-    heads = tl.arange(0, BLOCK_H)
-    cols = tl.arange(0, R_PAD)
-    hmask = heads < H
-    cmask = cols < R
-    row = t * stride_qt + heads[:, None] * stride_qh + cols[None, :]
-    rmask = hmask[:, None] & cmask[None, :]
+    t, heads, hmask, cols, cmask, row, rmask = _row_tile(row0 + c, H, R, stride_qt, stride_qh, BLOCK_H, R_PAD)
     do = tl.load(do_ptr + row, mask=rmask, other=0.0)
     o = tl.load(out_ptr + row, mask=rmask, other=0.0)
     delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)  # rowsum(dO * O) [BLOCK_H]
@@ -212,13 +218,7 @@ def _bwd_dlat_kernel(q_ptr, do_ptr, idx_ptr, p_ptr, ds_ptr, dlat_ptr,
                      IEEE: tl.constexpr):
     """Row row0 + c: dK = dS^T q + P^T dO per key block, scatter-added into dlat [T, R] fp32."""
     c = tl.program_id(0).to(tl.int64)
-    t = row0 + c
-    heads = tl.arange(0, BLOCK_H)
-    cols = tl.arange(0, R_PAD)
-    hmask = heads < H
-    cmask = cols < R
-    row = t * stride_qt + heads[:, None] * stride_qh + cols[None, :]
-    rmask = hmask[:, None] & cmask[None, :]
+    t, heads, hmask, cols, cmask, row, rmask = _row_tile(row0 + c, H, R, stride_qt, stride_qh, BLOCK_H, R_PAD)
     q = tl.load(q_ptr + row, mask=rmask, other=0.0)
     do = tl.load(do_ptr + row, mask=rmask, other=0.0)
     slots = tl.arange(0, BLOCK_N)
