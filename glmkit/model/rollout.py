@@ -140,10 +140,9 @@ class RolloutEngine:
         active, stop = [True] * len(prompts), set(params.stop_token_ids)
         for step in range(params.max_new_tokens):
             tokens, logprobs = sample(logits, params, generator)
-            # one device-to-host copy a step (fp64 holds every token id and fp32 log-prob exactly)
-            host_tokens, host_logprobs = torch.stack([tokens.double(), logprobs.double()]).cpu().tolist()
+            host_tokens, host_logprobs = _host_tokens(tokens, logprobs)
             for i in (i for i in range(len(prompts)) if active[i]):
-                done[i].tokens.append(int(host_tokens[i]))
+                done[i].tokens.append(host_tokens[i])
                 done[i].logprobs.append(host_logprobs[i])
                 if done[i].tokens[-1] in stop:
                     done[i].finish_reason, active[i] = "stop", False
@@ -303,8 +302,8 @@ class SlotBatch:
         return out
 
     def _take(self, logits, where):
-        tokens, logprobs = sample(logits, self.params, self.generator)
-        for s, token, logprob in zip(where, tokens.tolist(), logprobs.tolist()):
+        tokens, logprobs = _host_tokens(*sample(logits, self.params, self.generator))
+        for s, token, logprob in zip(where, tokens, logprobs):
             tag, c, limit = self.owner[s]
             c.tokens.append(token)
             c.logprobs.append(logprob)
@@ -476,6 +475,13 @@ def _copy_into_slot(slot_state, new_state, slot: int, row: int):
     for dst, src in zip(_cache_tensors(slot_state), _cache_tensors(new_state)):
         dst[slot].zero_()
         dst[slot][tuple(slice(0, n) for n in src.shape[1:])] = src[row]
+
+
+def _host_tokens(tokens: torch.Tensor, logprobs: torch.Tensor) -> tuple[list, list]:
+    """Sampled tokens [B] and their log-probs [B] as host lists, from one device-to-host copy (fp64
+    holds every token id and every fp32 log-prob exactly)."""
+    host = torch.stack([tokens.double(), logprobs.double()]).cpu()
+    return [int(t) for t in host[0].tolist()], host[1].tolist()
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator) -> tuple[torch.Tensor, torch.Tensor]:
