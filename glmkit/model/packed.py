@@ -27,7 +27,7 @@ class Packed:
         if any(n <= 0 for n in host):
             raise ValueError(f"every packed sequence needs at least one token, got lengths {host}")
         host_cu = (0, *itertools.accumulate(host))
-        cu = torch.tensor(host_cu, dtype=torch.long, device=device)
+        cu = to_device(torch.tensor(host_cu, dtype=torch.long), device)
         lengths = cu[1:] - cu[:-1]
         seq_index = torch.repeat_interleave(torch.arange(len(host), device=device), lengths, output_size=host_cu[-1])
         positions = torch.arange(host_cu[-1], device=device) - cu[:-1][seq_index]
@@ -74,7 +74,18 @@ class Packed:
         return torch.where(ids >= 0, ids - start, ids)
 
 
+def to_device(host: torch.Tensor, device) -> torch.Tensor:
+    """A host tensor on `device`; to a GPU through pinned memory, so the copy does not wait for it."""
+    if torch.device(device).type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
 def pack(sequences, device="cpu") -> tuple[torch.Tensor, Packed]:
-    """List of token-id lists/tensors -> (input_ids [T], Packed)."""
-    seqs = [torch.as_tensor(s, dtype=torch.long, device=device).flatten() for s in sequences]
-    return torch.cat(seqs), Packed.from_lengths([len(s) for s in seqs], device=device)
+    """List of token-id lists/tensors -> (input_ids [T], Packed); host ids go over in one copy."""
+    seqs = [torch.as_tensor(s, dtype=torch.long).flatten() for s in sequences]
+    if all(s.device.type == "cpu" for s in seqs):
+        ids = to_device(torch.cat(seqs), device)
+    else:
+        ids = torch.cat([s.to(device) for s in seqs])
+    return ids, Packed.from_lengths([len(s) for s in seqs], device=device)

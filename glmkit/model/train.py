@@ -44,8 +44,7 @@ def next_token_targets(input_ids: torch.Tensor, packed: Packed) -> torch.Tensor:
     """Target of token t = token t+1 of the same sequence; -100 on each sequence's last token."""
     targets = torch.full_like(input_ids, -100)
     targets[:-1] = input_ids[1:]
-    targets[packed.last_indices()] = -100
-    return targets
+    return targets.index_fill_(0, packed.last_indices(), -100)  # a scalar fill: nothing copied from the host
 
 
 @fusable
