@@ -55,6 +55,8 @@ class Completion:
     finish_reason: str = "length"
     routing: dict | None = None
     topk: dict | None = None
+    # decode steps' recorded rows until the completion closes: {site: [(layers, [L, B, k] host, row)]}
+    _step_rows: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
 
 @dataclass
@@ -152,11 +154,13 @@ class RolloutEngine:
             if graphs and graph is None:
                 graph = _graphed_or_eager(self, batch, wanted)
                 graphs = graph is not None
-            if not graphs:
+            if graphs:
+                logits = graph(tokens)
+                graph.replay_records(record)
+            else:
                 logits = self.step(batch, tokens, record=record)
-                continue
-            logits = graph(tokens)
-            graph.replay_records(record)
+            if record is not None:
+                record.close()
         for c in done:
             _close_records(c, wanted)
         return done
@@ -276,6 +280,8 @@ class SlotBatch:
         else:
             logits = self.engine.step(batch, self.feed[:size], record=record)
             self.lengths[:size].copy_(batch.lengths)
+        if record is not None:
+            record.close()
         self.lengths.masked_fill_(~self.occupied, 0)  # a free slot stays at position 0
         self._take(logits[fed], fed)
 
@@ -343,33 +349,56 @@ def _prefill_recorder(completions, prompts, wanted: dict):
 
     def record(layer, site, value):
         if site in wanted:
+            host = value.cpu()  # one device-to-host copy per layer, not one per request
             for j, c in enumerate(completions):
-                rows = value[starts[j]:starts[j + 1]].cpu()
+                rows = host[starts[j]:starts[j + 1]]
                 if site == "indexer_topk":  # packed ids -> positions in the request
                     rows = torch.where(rows >= 0, rows - starts[j], rows).to(torch.int32)
                 getattr(c, wanted[site])[layer] = [rows]
     return record
 
 
-def _step_recorder(fed, wanted: dict):
-    """`record` for a decode step: `fed` [(batch row, Completion)] each get their row (decode
-    selections are cache positions, already request-local). None when nothing is recorded."""
-    if not wanted:
-        return None
+class _StepRecords:
+    """The `record` observer of one decode step: it collects every layer's rows of the recorded
+    sites, and `close()` hands each fed request [(batch row, Completion)] a reference to them, one
+    [layers, B, k] host tensor per site (one device-to-host copy per site and step; a request's rows
+    are picked out once, when it finishes: per layer and request they would cost more than the step)."""
 
-    def record(layer, site, value):
-        if site in wanted:
-            rows = value.cpu()  # one device-to-host copy per layer and step, not one per request
+    def __init__(self, fed, wanted: dict):
+        self.fed, self.wanted, self.seen = fed, wanted, {}
+
+    def __call__(self, layer, site, value):
+        if site in self.wanted:
+            self.seen.setdefault(site, []).append((layer, value))
+
+    def close(self):
+        for site, items in self.seen.items():
+            layers = tuple(layer for layer, _ in items)
+            stacked = torch.stack([value for _, value in items]).cpu()
             if site == "indexer_topk":
-                rows = rows.to(torch.int32)
-            for i, c in fed:
-                getattr(c, wanted[site])[layer].append(rows[i:i + 1])
-    return record
+                stacked = stacked.to(torch.int32)
+            for row, c in self.fed:
+                c._step_rows.setdefault(site, []).append((layers, stacked, row))
+        self.seen = {}
+
+
+def _step_recorder(fed, wanted: dict):
+    """A _StepRecords for a decode step, or None when nothing is recorded."""
+    return _StepRecords(fed, wanted) if wanted else None
 
 
 def _close_records(c, wanted: dict):
-    """A finished completion's recorded rows, per layer, as one tensor each."""
-    for name in set(wanted.values()):
+    """A finished completion's recorded rows, per layer, as one tensor each: its prefill rows, then
+    one row per decode step."""
+    for site, name in wanted.items():
+        steps = c._step_rows.pop(site, [])
+        if steps:
+            layers = steps[0][0]
+            if any(s[0] != layers for s in steps):
+                raise RuntimeError(f"decode steps recorded {site} at different layers")
+            picked = torch.stack([stacked[:, row] for _, stacked, row in steps])  # [steps, layers, k]
+            for j, layer in enumerate(layers):
+                getattr(c, name).setdefault(layer, []).append(picked[:, j])
         setattr(c, name, {layer: torch.cat(rows) for layer, rows in getattr(c, name).items()})
 
 
