@@ -35,6 +35,28 @@ def sync(device):
         torch.cuda.synchronize()
 
 
+def first_and_warm(call, device):
+    """(result of the second call, seconds of the first call (compiles), seconds of the second)."""
+    times = []
+    for _ in range(2):
+        start = time.perf_counter()
+        result = call()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return result, times[0], times[1]
+
+
+def ms_per_step(step, steps, device):
+    """Call step(i) for i < steps + 2: ms per call over the last `steps` (two warm-up calls)."""
+    for i in range(steps + 2):
+        if i == 2:
+            sync(device)
+            start = time.perf_counter()
+        step(i)
+    sync(device)
+    return (time.perf_counter() - start) / steps * 1e3
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variant", default="tiny")
@@ -70,61 +92,35 @@ def main(argv=None):
         ids = torch.randint(3, config.vocab_size, (B, args.prompt_len), generator=g).to(dev)
         row = {"row": f"decode-{B}", "batch": B, "prompt_len": args.prompt_len, "steps": args.steps}
         with torch.no_grad():
-            start = time.perf_counter()
             capacity = args.prompt_len + 2 * (args.steps + 2) + 4
-            engine.prefill(ids.tolist(), capacity)
-            sync(dev)
-            row["glmkit_prefill_first_s"] = time.perf_counter() - start
-            start = time.perf_counter()
-            batch, logits = engine.prefill(ids.tolist(), capacity)
-            sync(dev)
-            row["glmkit_prefill_s"] = time.perf_counter() - start
+            (batch, logits), row["glmkit_prefill_first_s"], row["glmkit_prefill_s"] = first_and_warm(
+                lambda: engine.prefill(ids.tolist(), capacity), dev)
             row["glmkit_prefill_tok_s"] = B * args.prompt_len / row["glmkit_prefill_s"]
-            tokens = logits.argmax(-1)
-            ours = [tokens]
-            for i in range(args.steps + 2):
-                if i == 2:
-                    sync(dev)
-                    start = time.perf_counter()
-                tokens = engine.step(batch, tokens).argmax(-1)
-                ours.append(tokens)
-            sync(dev)
-            row["glmkit_ms_per_step"] = row["glmkit_eager_ms_per_step"] = (time.perf_counter() - start) / args.steps * 1e3
+            ours = [logits.argmax(-1)]
+            row["glmkit_ms_per_step"] = row["glmkit_eager_ms_per_step"] = ms_per_step(
+                lambda i: ours.append(engine.step(batch, ours[-1]).argmax(-1)), args.steps, dev)
             if engine.can_graph():  # the same batch goes on, one graph replay a step
                 start = time.perf_counter()
                 graphed = GraphedStep(engine, batch)
                 sync(dev)
                 row["graph_capture_s"] = time.perf_counter() - start
-                more = tokens
-                for i in range(args.steps + 2):
-                    if i == 2:
-                        sync(dev)
-                        start = time.perf_counter()
-                    more = graphed(more).argmax(-1)
-                sync(dev)
-                row["glmkit_graph_ms_per_step"] = (time.perf_counter() - start) / args.steps * 1e3
+                more = [ours[-1]]
+                row["glmkit_graph_ms_per_step"] = ms_per_step(lambda i: more.append(graphed(more[-1]).argmax(-1)),
+                                                              args.steps, dev)
                 row["glmkit_ms_per_step"] = min(row["glmkit_ms_per_step"], row["glmkit_graph_ms_per_step"])
             if ref is not None:
-                start = time.perf_counter()
-                ref(input_ids=ids, use_cache=True)
-                sync(dev)
-                row["reference_prefill_first_s"] = time.perf_counter() - start
-                start = time.perf_counter()
-                out = ref(input_ids=ids, use_cache=True)
-                sync(dev)
-                row["reference_prefill_s"] = time.perf_counter() - start
-                cache, tokens = out.past_key_values, out.logits[:, -1].argmax(-1)
-                theirs = [tokens]
-                for i in range(args.steps + 2):
-                    if i == 2:
-                        sync(dev)
-                        start = time.perf_counter()
+                out, row["reference_prefill_first_s"], row["reference_prefill_s"] = first_and_warm(
+                    lambda: ref(input_ids=ids, use_cache=True), dev)
+                cache = [out.past_key_values]
+                theirs = [out.logits[:, -1].argmax(-1)]
+
+                def reference_step(i):
                     # the reference is fed glmkit's tokens, so both decode the same sequences
-                    out = ref(input_ids=ours[i][:, None], cache=cache, use_cache=True)
-                    cache, tokens = out.past_key_values, out.logits[:, -1].argmax(-1)
-                    theirs.append(tokens)
-                sync(dev)
-                row["reference_ms_per_step"] = (time.perf_counter() - start) / args.steps * 1e3
+                    step_out = ref(input_ids=ours[i][:, None], cache=cache[0], use_cache=True)
+                    cache[0] = step_out.past_key_values
+                    theirs.append(step_out.logits[:, -1].argmax(-1))
+
+                row["reference_ms_per_step"] = ms_per_step(reference_step, args.steps, dev)
                 row["ratio"] = row["reference_ms_per_step"] / row["glmkit_ms_per_step"]
                 # sanity: both sides predict the same next tokens (bf16 may flip a few near-ties)
                 row["greedy_agree"] = (torch.stack(ours) == torch.stack(theirs)).float().mean().item()

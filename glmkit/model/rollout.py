@@ -411,7 +411,7 @@ class GraphedStep:
     The step is graph-safe by construction: shapes depend only on the cache sizes, nothing is read
     back to the host, states are updated in place. `record_sites` (e.g. router_experts and
     indexer_topk for R3 and top-k replay) are kept as the graph's own tensors, which every replay
-    rewrites: `replay_records` hands them to a `record` observer from one device-to-host copy. Not in
+    rewrites: `replay_records` hands them to a `record` observer after each replay. Not in
     a graph: top-k replay into a step, indexer or router scores, the CPU. Needs the grouped MoE (bf16
     on CUDA): the per-expert loop reads expert counts back to the host."""
 
@@ -454,13 +454,11 @@ class GraphedStep:
         return self.logits
 
     def replay_records(self, record):
-        """Call `record(layer, site, host tensor)` for every recorded site of the last replay."""
-        if record is None or not self.held:
-            return
-        raw = torch.cat([v.contiguous().view(-1).view(torch.uint8) for _, _, v in self.held]).cpu()  # any dtypes
-        sizes = [v.numel() * v.element_size() for _, _, v in self.held]
-        for (layer, site, value), part in zip(self.held, raw.split(sizes)):
-            record(layer, site, part.view(value.dtype).view(value.shape))
+        """Call `record(layer, site, tensor)` for every recorded site of the last replay (the graph's
+        own tensors: the observer copies what it keeps before the next replay)."""
+        if record is not None:
+            for layer, site, value in self.held:
+                record(layer, site, value)
 
 
 def _graphed_or_eager(engine: RolloutEngine, batch: DecodeBatch, record_sites):
