@@ -213,3 +213,38 @@ def test_missing_triton_names_the_package(monkeypatch):
     module = importlib.util.module_from_spec(spec)
     with pytest.raises(ImportError, match="DSA backend 'triton' needs triton"):
         spec.loader.exec_module(module)
+
+
+def cache_case(S, cap, H, dk, dv, R, W, rows, seed=0):
+    """A decode cache of S requests and `rows` query rows, each of a random request but the last (no
+    row reads slot S-1): ids are distinct positions of that request, in random slots, the rest -1;
+    the first row's slots all empty but one."""
+    g = torch.Generator().manual_seed(seed)
+    cache = torch.randn(S, cap, R, generator=g)
+    slots = torch.randint(0, S - 1, (rows,), generator=g)
+    idx = torch.full((rows, W), -1, dtype=torch.long)
+    for r in range(rows):
+        count = int(torch.randint(1, W + 1, (1,), generator=g))
+        idx[r, torch.randperm(W, generator=g)[:count]] = torch.randperm(cap, generator=g)[:count]
+    idx[0] = -1
+    idx[0, W - 1] = cap - 1
+    q = torch.randn(rows, H, dk, generator=g)
+    weight = torch.randn(H * (dk + dv), R, generator=g) * R ** -0.5
+    return q, cache, weight, idx, slots
+
+
+@pytest.mark.parametrize("W, block_n", [(21, 16), (37, 32)])
+def test_attend_cache_matches_the_torch_forms(monkeypatch, W, block_n):
+    """Rows over a decode cache (decode steps, prefill chunks): the slotted Triton kernel, the
+    absorbed torch form and the un-absorbed reference agree to 1e-5 relative in fp32 (the same math
+    in other orders). A row reads only its own slot: moving another request's latents changes nothing."""
+    from glmkit.kernels.dsa import naive
+
+    monkeypatch.setitem(sparse_triton.FWD_CONFIG, "BLOCK_N", block_n)
+    q, cache, weight, idx, slots = cache_case(S=5, cap=40, H=4, dk=16, dv=24, R=32, W=W, rows=9)
+    want = naive.attend_cache(q, cache, weight, idx, slots, 0.25)
+    assert want.shape == (9, 4, 24)
+    for module in (absorbed, sparse_triton):
+        assert rel(module.attend_cache(q, cache, weight, idx, slots, 0.25), want) < 1e-5, module.__name__
+    cache[-1] = float("nan")
+    assert rel(sparse_triton.attend_cache(q, cache, weight, idx, slots, 0.25), want) < 1e-5

@@ -99,7 +99,8 @@ class DecoderBlock(nn.Module):
                 out, used, own = self.self_attn.forward_packed(x, run.packed, run.dsa, run.topk, state, replay,
                                                                on_scores)
             else:
-                out, used, own = self.self_attn.forward_step(x, run.lengths, state, run.topk, replay, on_scores)
+                out, used, own = self.self_attn.forward_step(x, run.lengths, state, run.dsa, run.topk, replay,
+                                                             on_scores)
             # the site reports this path's own choice (a shared indexer's is the layer's before it),
             # so a replayed run still shows where its indexer would have differed
             run.topk, run.own_topk = used, own if own is not None else run.own_topk

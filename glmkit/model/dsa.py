@@ -68,17 +68,6 @@ class SparseMLA(nn.Module):
         latent = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x))
         return q_resid, q, latent
 
-    def _attend_absorbed(self, q, latents, idx):
-        """q [R', H, dk], latents gathered [R', W, R], idx [R', W] (-1 empty) -> [R', H, dv]."""
-        # fp32 throughout, as MLA decode kernels accumulate: the folded query q W_UK would otherwise
-        # be rounded to bf16 once more than the expanded form's q and k are
-        w_uk, w_uv = (w.float() for w in fold_weights(self.kv_b_proj.weight, self.num_heads, self.dk))
-        latents = latents.float()
-        q_lat = torch.einsum("thd,hdr->thr", q.float(), w_uk)
-        scores = torch.einsum("thr,twr->thw", q_lat, latents) * self.scale
-        probs = scores.masked_fill((idx < 0)[:, None], float("-inf")).softmax(-1)
-        return torch.einsum("hvr,thr->thv", w_uv, torch.einsum("thw,twr->thr", probs, latents)).to(q.dtype)
-
     def forward_packed(self, x, packed: Packed, dsa, shared_topk=None, state: DSAState | None = None,
                        replay=None, on_scores=None):
         """x [T, D] packed -> (out [T, D], selection used [T, W], own selection [T, width] or None for
@@ -100,7 +89,7 @@ class SparseMLA(nn.Module):
         out = dsa.attend(q, latent, self.kv_b_proj.weight, used, packed.bounds(), self.scale)
         return self.o_proj(out.flatten(-2)), used, topk if self.indexer is not None else None
 
-    def forward_step(self, x, lengths, state: DSAState, shared_topk=None, replay=None, on_scores=None):
+    def forward_step(self, x, lengths, state: DSAState, dsa, shared_topk=None, replay=None, on_scores=None):
         """x [B, D] new tokens at cache positions `lengths` [B] -> (out [B, D], positions used, own
         positions or None), as forward_packed; `replay` [B, W'] holds cache positions."""
         q_resid, q, latent = self._project(x)
@@ -113,9 +102,8 @@ class SparseMLA(nn.Module):
         used = replayed(topk, replay)
         # every slot, empty ones masked: a width fixed by the config, not by the selection (no
         # read-back, one shape for a CUDA graph)
-        gathered = state.latent[rows[:, None], used.clamp(min=0)]
-        return (self.o_proj(self._attend_absorbed(q, gathered, used).flatten(-2)), used,
-                topk if self.indexer is not None else None)
+        out = dsa.attend_cache(q, state.latent, self.kv_b_proj.weight, used, rows, self.scale)
+        return self.o_proj(out.flatten(-2)), used, topk if self.indexer is not None else None
 
     def empty_state(self, batch: int, capacity: int, dtype, device) -> DSAState:
         latent = torch.zeros(batch, capacity, self.rank, dtype=dtype, device=device)

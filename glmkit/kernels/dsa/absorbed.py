@@ -187,3 +187,26 @@ def attend(q, latent, kv_b_weight, idx, bounds, scale):
     q_lat = torch.bmm(q.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, R]: one GEMM per head
     o_lat = SparseMQA.apply(q_lat.contiguous(), latent.contiguous(), idx, [tuple(b) for b in bounds], scale)
     return torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [T, H, dv]
+
+
+def attend_cache(q, cache, kv_b_weight, idx, slots, scale):
+    """Rows over a decode cache, absorbed: same contract as naive.attend_cache (q [rows, H, dk],
+    cache [S, cap, R], idx [rows, W] cache positions, -1 empty, slots [rows] -> [rows, H, dv]).
+
+    fp32 throughout, as MLA decode kernels accumulate (the folded query q W_UK would otherwise be
+    rounded once more than the expanded form's q and k); the selected latents are gathered in row
+    blocks within GATHER_BUDGET. The block count depends on shapes only (one CUDA graph holds it)."""
+    rows, H, dk = q.shape
+    W, R = idx.shape[1], cache.shape[-1]
+    w_uk, w_uv = (w.float() for w in fold_weights(kv_b_weight, H, dk))
+    q_lat = torch.einsum("thd,hdr->thr", q.float(), w_uk)
+    block = max(1, GATHER_BUDGET // max(1, W * R))
+    outs = []
+    for r0 in range(0, rows, block):
+        sl = slice(r0, min(rows, r0 + block))
+        latents = cache[slots[sl, None], idx[sl].clamp(min=0)].float()  # [b, W, R]
+        scores = torch.einsum("thr,twr->thw", q_lat[sl], latents) * scale
+        probs = scores.masked_fill((idx[sl] < 0)[:, None], float("-inf")).softmax(-1)
+        outs.append(torch.einsum("thw,twr->thr", probs, latents))
+    o_lat = torch.cat(outs) if outs else q_lat.new_zeros(0, H, R)
+    return torch.einsum("hvr,thr->thv", w_uv, o_lat).to(q.dtype)

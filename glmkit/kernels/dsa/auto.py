@@ -28,3 +28,8 @@ def _triton():
 def attend(q, latent, kv_b_weight, idx, bounds, scale):
     fast = _triton() if q.is_cuda and q.dtype in FAST_DTYPES else None
     return (fast or absorbed).attend(q, latent, kv_b_weight, idx, bounds, scale)
+
+
+def attend_cache(q, cache, kv_b_weight, idx, slots, scale):
+    fast = _triton() if q.is_cuda and q.dtype in FAST_DTYPES else None
+    return (fast or absorbed).attend_cache(q, cache, kv_b_weight, idx, slots, scale)

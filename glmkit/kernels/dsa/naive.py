@@ -49,3 +49,26 @@ def attend(q, latent, kv_b_weight, idx, bounds, scale):
         else:
             outs.append(_attend_block(q[sl], k, v, selected[sl], scale))
     return torch.cat(outs) if outs else q.new_zeros(0, H, kv.shape[-1] - dk)
+
+
+def attend_cache(q, cache, kv_b_weight, idx, slots, scale):
+    """Rows attending over a decode cache (decode steps, prefill chunks that continue a cache).
+
+    q [rows, H, dk]; cache [S, cap, R] the latents of S requests; idx [rows, W] cache positions
+    (-1 empty); slots [rows] the request (cache slot) of each row -> [rows, H, dv]. Keys and values
+    expanded per head from the gathered latents, in row blocks within GATHER_BUDGET; fp32 math.
+    The block count depends on shapes only (one CUDA graph can hold it)."""
+    rows, H, dk = q.shape
+    W = idx.shape[1]
+    per_row = max(1, W * kv_b_weight.shape[0])
+    block = max(1, GATHER_BUDGET // per_row)
+    w = kv_b_weight.float()
+    outs = []
+    for r0 in range(0, rows, block):
+        sl = slice(r0, min(rows, r0 + block))
+        latents = cache[slots[sl, None], idx[sl].clamp(min=0)].float()  # [b, W, R]
+        kv = F.linear(latents, w).unflatten(-1, (H, -1))  # [b, W, H, dk + dv]
+        scores = torch.einsum("bhd,bwhd->bhw", q[sl].float(), kv[..., :dk]) * scale
+        probs = scores.masked_fill((idx[sl] < 0)[:, None], float("-inf")).softmax(-1)
+        outs.append(torch.einsum("bhw,bwhd->bhd", probs, kv[..., dk:]))
+    return torch.cat(outs).to(q.dtype) if outs else q.new_zeros(0, H, kv_b_weight.shape[0] // H - dk)

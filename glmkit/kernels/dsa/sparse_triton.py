@@ -27,6 +27,8 @@ power of two >= 16, tl.dot's minimum), because every head attends over the same 
   also keeps the loop bound a Python int under the CPU interpreter, whose runtime ints are 1-element
   arrays that `range` cannot take with NumPy >= 2.4.
 The latent tile is both key and value (MQA over the latent): one gather feeds both dots.
+Decode (`attend_cache`): the same kernel with SLOTTED on reads row t's latents from its request's
+slot of a cache [S, cap, R] (ids are positions there): one program per decode row.
 
 Output split (BLOCK_RO): the fp32 accumulator of a whole row is [64, 512] = 128 KiB, i.e. 128
 registers a thread at num_warps=8 (FlashMLA holds the same in two warpgroups), tight next to the
@@ -91,14 +93,16 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
-def _fwd_kernel(q_ptr, lat_ptr, idx_ptr, out_ptr, lse_ptr,
+def _fwd_kernel(q_ptr, lat_ptr, idx_ptr, out_ptr, lse_ptr, slot_ptr,
                 H, R,
-                stride_qt, stride_qh, stride_lt, stride_it, stride_ot, stride_oh,
+                stride_qt, stride_qh, stride_ls, stride_lt, stride_it, stride_ot, stride_oh,
                 qk_scale,
                 W: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, R_PAD: tl.constexpr, BLOCK_RO: tl.constexpr,
-                IEEE: tl.constexpr):
+                IEEE: tl.constexpr, SLOTTED: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)  # t * H * R passes 2^31 at T = 64k: 64-bit row offsets
     r0 = tl.program_id(1) * BLOCK_RO
+    if SLOTTED:  # a decode cache [S, cap, R]: the row's ids are positions in its own slot
+        lat_ptr += tl.load(slot_ptr + t).to(tl.int64) * stride_ls
     heads = tl.arange(0, BLOCK_H)
     cols = tl.arange(0, R_PAD)
     hmask = heads < H
@@ -252,11 +256,19 @@ def _check(q_lat, latent, idx):
         raise TypeError(f"idx must be int32 or int64, got {idx.dtype}")
 
 
-def forward(q_lat, latent, idx, scale, *, BLOCK_N=None, BLOCK_RO=None, num_warps=None, num_stages=None):
-    """-> (o_lat [T, H, R] in the inputs' dtype, lse [T, H] fp32). Keyword arguments override FWD_CONFIG."""
+def forward(q_lat, latent, idx, scale, *, slots=None, BLOCK_N=None, BLOCK_RO=None, num_warps=None, num_stages=None):
+    """-> (o_lat [T, H, R] in the inputs' dtype, lse [T, H] fp32). Keyword arguments override FWD_CONFIG.
+    With `slots` [T], latent is a decode cache [S, cap, R] and idx holds positions in slot slots[t]."""
     _check(q_lat, latent, idx)
     q_lat, latent, idx = q_lat.contiguous(), latent.contiguous(), idx.contiguous()
     T, H, R = q_lat.shape
+    if slots is None:
+        slot_arg, stride_ls = idx, 0  # never read: SLOTTED is off
+    else:
+        if latent.dim() != 3 or slots.shape != (T,):
+            raise ValueError(f"a slotted call takes latent [S, cap, R] and slots [T={T}], got "
+                             f"{tuple(latent.shape)} and {tuple(slots.shape)}")
+        slot_arg, stride_ls = slots.contiguous(), latent.stride(0)
     W = idx.shape[1]
     cfg = dict(FWD_CONFIG)
     cfg.update({k: v for k, v in dict(BLOCK_N=BLOCK_N, BLOCK_RO=BLOCK_RO, num_warps=num_warps,
@@ -268,11 +280,11 @@ def forward(q_lat, latent, idx, scale, *, BLOCK_N=None, BLOCK_RO=None, num_warps
     if T == 0:
         return out, lse
     grid = (T, r_pad // block_ro)
-    _fwd_kernel[grid](q_lat, latent, idx, out, lse, H, R,
-                      q_lat.stride(0), q_lat.stride(1), latent.stride(0), idx.stride(0),
+    _fwd_kernel[grid](q_lat, latent, idx, out, lse, slot_arg, H, R,
+                      q_lat.stride(0), q_lat.stride(1), stride_ls, latent.stride(-2), idx.stride(0),
                       out.stride(0), out.stride(1), float(scale) * LOG2E,
                       W=W, BLOCK_H=_pow2(H), BLOCK_N=_pow2(cfg["BLOCK_N"]), R_PAD=r_pad, BLOCK_RO=block_ro,
-                      IEEE=q_lat.dtype == torch.float32,
+                      IEEE=q_lat.dtype == torch.float32, SLOTTED=slots is not None,
                       num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return out, lse
 
@@ -344,3 +356,15 @@ def attend(q, latent, kv_b_weight, idx, bounds, scale):
     q_lat = torch.bmm(q.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, R]: one GEMM per head
     o_lat = SparseMQATriton.apply(q_lat.contiguous(), latent.contiguous(), idx, [tuple(b) for b in bounds], scale)
     return torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [T, H, dv]
+
+
+def attend_cache(q, cache, kv_b_weight, idx, slots, scale):
+    """Rows over a decode cache (no autograd: the rollout side); same contract and weight folding as
+    absorbed.attend_cache, the core is the forward kernel reading each row's latents from its slot.
+    A decode step of B requests is B programs, one per row, each over its W slots (empty blocks
+    skipped), the same kernel and tiles as prefill's."""
+    T, H, dk = q.shape
+    w_uk, w_uv = absorbed.fold_weights(kv_b_weight, H, dk)
+    q_lat = torch.bmm(q.transpose(0, 1), w_uk).transpose(0, 1)
+    o_lat, _ = forward(q_lat, cache, idx, scale, slots=slots)
+    return torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
