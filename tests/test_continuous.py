@@ -134,3 +134,80 @@ def test_bad_arguments(engine):
         engine.generate_continuous([[5, 6], [7]], params, 2, max_new_tokens=[3])
     with pytest.raises(ValueError, match="every prompt needs at least one token"):
         engine.generate_continuous([[5, 6], []], params, 2)
+
+
+@pytest.mark.parametrize("chunk, slots", [(1, 3), (5, 2), (16, 8)])
+def test_prompts_prefilled_in_chunks_get_their_completion_alone(engine, monkeypatch, chunk, slots):
+    """Prompts prefilled `chunk` tokens a step between decode steps (a 1-token budget feeds one
+    request's prompt a token at a time; 5 splits most prompts over several steps and several
+    requests in one step): every request still gets its completion alone, with its prompt's routed
+    experts and DSA selections (tolerances as the module's)."""
+    prompts, limits = workload(7, seed=5)
+    pieces = []
+    real_extend = engine.extend
+    monkeypatch.setattr(engine, "extend", lambda batch, chunks, **kw: pieces.append([len(c) for c in chunks])
+                        or real_extend(batch, chunks, **kw))
+    got = engine.generate_continuous(prompts, SamplingParams(temperature=0, max_new_tokens=99), slots,
+                                     max_new_tokens=limits, record_routing=True, record_topk=True,
+                                     prefill_chunk=chunk)
+    monkeypatch.undo()
+    assert all(sum(p) <= chunk for p in pieces) and sum(map(sum, pieces)) == sum(map(len, prompts))
+    assert len(pieces) >= sum(map(len, prompts)) / chunk
+    for prompt, limit, c in zip(prompts, limits, got):
+        alone = engine.generate([prompt], SamplingParams(temperature=0, max_new_tokens=limit), record_routing=True,
+                                record_topk=True)[0]
+        assert_same(alone, c)
+        fed = len(prompt) + len(c.tokens) - 1
+        assert c.routing[3].shape[0] == fed and c.topk[3].shape[0] == fed
+
+
+def test_extend_continues_a_prefill_as_one_prefill(engine):
+    """Prefilling prompts in pieces (several requests per call, out of slot order, a one-token piece,
+    the first piece from empty caches) leaves the caches and last-token logits of one prefill of the
+    whole prompts: fp32, 1e-5 absolute (values O(1); other summation orders, seen <= 6e-6)."""
+    from glmkit.model.rollout import _cache_tensors
+
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 1000, (n,), generator=g).tolist() for n in (29, 7, 18)]
+    whole, want = engine.prefill(prompts, 40)
+    batch = type(whole)(engine._empty_states(3, 40), torch.zeros(3, dtype=torch.long))
+    cuts = [(5, 13), (3, 4), (1, 17)]
+    engine.extend(batch, [p[:a] for p, (a, _) in zip(prompts, cuts)])
+    engine.extend(batch, [p[a:b] for p, (a, b) in zip(prompts, cuts)][::-1], slots=[2, 1, 0])
+    got = engine.extend(batch, [p[b:] for p, (_, b) in zip(prompts, cuts)])
+    assert batch.lengths.tolist() == [29, 7, 18]
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    for a, b in zip(whole.states, batch.states):
+        for x, y in zip(_cache_tensors(a), _cache_tensors(b)):
+            torch.testing.assert_close(y, x, rtol=0, atol=1e-5)
+    with pytest.raises(ValueError, match="cache holds 40"):
+        engine.extend(batch, [[5] * 12], slots=[0])
+    with pytest.raises(ValueError, match="one distinct slot"):
+        engine.extend(batch, [[5], [6]], slots=[1, 1])
+
+
+def test_a_request_cancelled_while_its_prompt_is_prefilled_ends_as_abort(engine):
+    """Chunked joins hold their slot from the join on (free counts them); one cancelled half-way
+    through its prompt ends with no tokens and finish_reason abort, and its slot is free again."""
+    from glmkit.model.rollout import SlotBatch
+
+    prompts, _ = workload(3, seed=7)
+    prompts[1] = list(range(3, 40))
+    cancelled = set()
+    slots = SlotBatch(engine, 3, 64, SamplingParams(temperature=0, max_new_tokens=4), prefill_chunk=8,
+                      cancelled=cancelled.__contains__)
+    slots.join(prompts, [4, 4, 4], ["a", "b", "c"])
+    assert slots.free == 0 and slots.busy
+    with pytest.raises(ValueError, match="only 0 slots are free"):
+        slots.join([[5]], [1], ["d"])
+    slots.step()
+    cancelled.add("b")
+    got = {}
+    while slots.busy:
+        slots.step()
+        got.update(slots.finished())
+    assert got["b"].tokens == [] and got["b"].finish_reason == "abort"
+    for tag, prompt in (("a", prompts[0]), ("c", prompts[2])):
+        alone = engine.generate([prompt], SamplingParams(temperature=0, max_new_tokens=4))[0]
+        assert got[tag].tokens == alone.tokens
+    assert slots.free == 3

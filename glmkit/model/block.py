@@ -22,13 +22,15 @@ from glmkit.model.packed import Packed
 @dataclass
 class Run:
     """What one forward needs besides the tokens: the kernel backends, the layout (packed sequences,
-    or one decode step with cache lengths), the decode cache, routing to replay, whether each block
-    is recomputed in the backward (activation checkpointing), and an optional
+    one decode step with cache lengths, or a prefill chunk continuing cache slots), the decode
+    cache, routing to replay, whether each block is recomputed in the backward (activation
+    checkpointing), and an optional
     `record(layer, site, tensor)` observer that parity captures use (sites in glmkit.model.sites)."""
 
     backends: Backends = field(default_factory=Backends)
     packed: Packed | None = None
-    lengths: torch.Tensor | None = None
+    lengths: torch.Tensor | None = None               # decode: cache lengths [B]; a chunk: offsets [N]
+    slots: torch.Tensor | None = None                 # a chunk: the cache slot of each packed sequence
     states: list | None = None
     record: Callable | None = None
     topk: torch.Tensor | None = None
@@ -86,7 +88,9 @@ class DecoderBlock(nn.Module):
         run.emit(L, "attn_in", x)
         state = run.states[L] if run.states is not None else None
         if self.kind == "kda":
-            if run.packed is not None:
+            if run.slots is not None:
+                out = self.self_attn.forward_chunk(x, run.packed, run.slots, state, run.kda)
+            elif run.packed is not None:
                 out, new_state = self.self_attn.forward_packed(x, run.packed, run.kda, want_state=state is not None)
                 if state is not None:
                     run.states[L] = new_state
@@ -95,7 +99,10 @@ class DecoderBlock(nn.Module):
         else:
             on_scores = (lambda s: setattr(run, "own_scores", s)) if run.record_scores else None
             replay = run.topk_replay.get(L)
-            if run.packed is not None:
+            if run.slots is not None:
+                out, used, own = self.self_attn.forward_chunk(x, run.packed, run.slots, run.lengths, state, run.dsa,
+                                                              run.topk, replay, on_scores)
+            elif run.packed is not None:
                 out, used, own = self.self_attn.forward_packed(x, run.packed, run.dsa, run.topk, state, replay,
                                                                on_scores)
             else:

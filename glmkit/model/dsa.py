@@ -18,7 +18,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from glmkit.kernels.dsa.absorbed import fold_weights
 from glmkit.model.indexer import IndexerState, LightningIndexer
 from glmkit.model.norms import RMSNorm
 from glmkit.model.packed import Packed
@@ -87,6 +86,25 @@ class SparseMLA(nn.Module):
             topk = shared_topk
         used = replayed(topk, replay)
         out = dsa.attend(q, latent, self.kv_b_proj.weight, used, packed.bounds(), self.scale)
+        return self.o_proj(out.flatten(-2)), used, topk if self.indexer is not None else None
+
+    def forward_chunk(self, x, packed: Packed, slots, offsets, state: DSAState, dsa, shared_topk=None,
+                      replay=None, on_scores=None):
+        """x [T, D]: the next tokens of N requests, packed; request n continues cache slot slots[n]
+        after its offsets[n] cached tokens -> (out [T, D], positions used, own positions or None), as
+        forward_step: selections are cache positions, the latents are written into the cache first."""
+        q_resid, q, latent = self._project(x)
+        row_slots = slots[packed.seq_index]
+        positions = offsets[packed.seq_index] + packed.positions
+        state.latent[row_slots, positions] = latent
+        if self.indexer is not None:
+            topk = self.indexer.select_cached(x, q_resid, row_slots, positions, state.indexer, on_scores)
+        elif shared_topk is None and replay is None:
+            raise ValueError("a DSA layer with a shared indexer needs the top-k of the layer before it")
+        else:
+            topk = shared_topk
+        used = replayed(topk, replay)
+        out = dsa.attend_cache(q, state.latent, self.kv_b_proj.weight, used, row_slots, self.scale)
         return self.o_proj(out.flatten(-2)), used, topk if self.indexer is not None else None
 
     def forward_step(self, x, lengths, state: DSAState, dsa, shared_topk=None, replay=None, on_scores=None):

@@ -184,6 +184,35 @@ class LightningIndexer(nn.Module):
             on_scores(all_scores[:T])
         return out[:T]
 
+    # ---- rollout: a prefill chunk that continues a cache ---------------------------------------
+    @torch.no_grad()
+    def select_cached(self, x, q_resid, slots, positions, state: IndexerState, on_scores=None):
+        """x [T, D] rows at cache `positions` [T] of cache `slots` [T] (a prefill chunk that continues
+        a cache; several rows per slot) -> cache positions [T, width], as select_step gives them.
+
+        Every row's key and gate are written first, then each pool the chunk completes is compressed
+        from the cache (it may start before the chunk), then every row scores all pool slots of its
+        cache, where only complete pools at or before it are candidates: the pools and selections
+        select_packed gives the same rows in one prefill."""
+        keys, gates = self._keys(x)
+        state.keys[slots, positions], state.gates[slots, positions] = keys, gates
+        visible = positions + 1
+        done = torch.nonzero(visible % self.kpool == 0).flatten()
+        if done.numel():
+            span = (visible[done] - self.kpool)[:, None] + torch.arange(self.kpool, device=x.device)
+            at = slots[done, None]
+            state.pools[slots[done], visible[done] // self.kpool - 1] = self._compress(state.keys[at, span],
+                                                                                    state.gates[at, span])
+        q, w = self._query(x, q_resid)
+        P = state.pools.shape[1]
+        block = max(1, _SCORE_BUDGET // max(1, self.n_heads * P))
+        scores = torch.cat([self._scores(q[r0:r0 + block, None], w[r0:r0 + block, None],
+                                         state.pools[slots[r0:r0 + block]])[:, 0]
+                            for r0 in range(0, x.shape[0], block)])
+        if on_scores is not None:
+            on_scores(self._candidates_only(scores, visible)[:, :int(visible.max()) // self.kpool])
+        return self._expand(scores, visible)
+
     # ---- rollout decode ----------------------------------------------------------------------
     @torch.no_grad()
     def select_step(self, x, q_resid, lengths, state: IndexerState, on_scores=None):

@@ -114,6 +114,38 @@ class KimiDeltaAttention(nn.Module):
         tails = padded[rows] * (rows >= starts)[..., None]
         return tails.transpose(1, 2).contiguous()
 
+    # ---- rollout: a prefill chunk that continues a cache ---------------------------------------
+    def forward_chunk(self, x: torch.Tensor, packed: Packed, slots: torch.Tensor, state: KDAState, kda):
+        """x [T, D]: the next tokens of N requests, packed; request n continues cache slot slots[n]
+        of `state`, whose conv and recurrent states are read and updated in place.
+
+        Each request's cached conv inputs (the last kernel-1 pre-activation rows) go in front of its
+        chunk, so the short conv runs over packed sequences of kernel-1 + chunk rows exactly as in a
+        prefill (cached rows of a request shorter than kernel-1 are zeros, which add nothing);
+        chunk_kda starts from the cached recurrent states."""
+        width, N = self.kernel - 1, packed.num_sequences
+        mixed = self._mixed(x)
+        lengths = packed.lengths()
+        longer = Packed.from_lengths([n + width for n in lengths], device=x.device)
+        # chunk row r of request n is row r + width * (n + 1) of the longer packing
+        rows = torch.arange(x.shape[0], device=x.device) + width * (packed.seq_index + 1)
+        cached = longer.cu_seqlens[:-1, None] + torch.arange(width, device=x.device)
+        extended = mixed.new_empty(x.shape[0] + N * width, mixed.shape[-1])
+        extended[rows] = mixed
+        extended[cached.flatten()] = state.conv[slots].transpose(1, 2).flatten(0, 1).to(mixed.dtype)
+        q, k, v = (t[rows].unflatten(-1, (self.num_heads, self.head_dim))
+                   for t in kda.short_conv(*extended.chunk(3, dim=-1), self._conv_weight(), longer.positions,
+                                           longer.cu_seqlens, longer.cu_seqlens_cpu()))
+        g = self._decay(x)
+        beta = torch.sigmoid(self.b_proj(x))
+        o, final = kda.chunk_kda(q[None], k[None], v[None], g[None], beta[None], scale=None,
+                                 initial_state=state.recurrent[slots], output_final_state=True,
+                                 use_qk_l2norm_in_kernel=True, cu_seqlens=packed.cu_seqlens,
+                                 cu_seqlens_cpu=packed.cu_seqlens_cpu())
+        state.conv[slots] = self._conv_tails(extended, longer).to(state.conv.dtype)
+        state.recurrent[slots] = final.float()
+        return self._output(o[0], x)
+
     # ---- rollout decode --------------------------------------------------------------------
     def forward_step(self, x: torch.Tensor, state: KDAState, kda) -> torch.Tensor:
         """x [B, D], one new token per request; updates `state` in place."""

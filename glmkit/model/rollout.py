@@ -20,7 +20,7 @@ from glmkit.kernels.backends import Backends
 from glmkit.model.block import Run
 from glmkit.model.model import Glm5Model
 from glmkit.model.moe import grouped_mm_available
-from glmkit.model.packed import pack
+from glmkit.model.packed import pack, to_device
 
 
 @dataclass
@@ -105,6 +105,37 @@ class RolloutEngine:
         return DecodeBatch(run.states, lengths), self.model.lm_head(rows).float()
 
     @torch.no_grad()
+    def extend(self, batch: DecodeBatch, chunks, slots=None, record=None, all_logits: bool = False):
+        """Prefill in chunks: chunks[n] (token list) continues the cache of request slots[n] of
+        `batch` (default: request n) after the tokens it already holds -> logits [N, V] at each
+        chunk's last token, or [T, V] over all packed chunk tokens with all_logits; the lengths of
+        those requests advance. Prefilling a prompt in pieces gives the caches and logits of one
+        prefill of the whole prompt (the same math, other summation orders). DSA selections, as the
+        `record` observer sees them, are positions in the request (as in decode steps)."""
+        if not chunks or any(len(c) == 0 for c in chunks):
+            raise ValueError("extend needs at least one chunk and every chunk needs at least one token")
+        slot_list = list(range(len(chunks))) if slots is None else [int(s) for s in slots]
+        size = len(batch.lengths)
+        if len(slot_list) != len(chunks) or len(set(slot_list)) != len(slot_list) or \
+                any(not 0 <= s < size for s in slot_list):
+            raise ValueError(f"extend needs one distinct slot in [0, {size}) per chunk ({len(chunks)} chunks), "
+                             f"got {slot_list}")
+        device = self.model.device
+        input_ids, packed = pack(chunks, device=device)
+        slot_ids = to_device(torch.tensor(slot_list, dtype=torch.long), device)
+        added = packed.cu_seqlens[1:] - packed.cu_seqlens[:-1]
+        offsets = batch.lengths[slot_ids]
+        capacity = _capacity(batch)
+        needed = int((offsets + added).max())
+        if needed > capacity:
+            raise ValueError(f"a chunk takes its request to {needed} tokens; the cache holds {capacity}")
+        run = Run(self.backends, packed=packed, lengths=offsets, slots=slot_ids, states=batch.states, record=record)
+        hidden = self.model.hidden(input_ids, run)
+        rows = hidden if all_logits else hidden[packed.last_indices()]
+        batch.lengths = batch.lengths.index_add(0, slot_ids, added)
+        return self.model.lm_head(rows).float()
+
+    @torch.no_grad()
     def step(self, batch: DecodeBatch, tokens: torch.Tensor, record=None, topk_replay=None,
              record_scores=False) -> torch.Tensor:
         """tokens [B] (one per request) -> logits [B, V]; the caches advance by one. `topk_replay`
@@ -168,11 +199,13 @@ class RolloutEngine:
     @torch.no_grad()
     def generate_continuous(self, prompts, params: SamplingParams, max_batch: int, seed: int = 0,
                             max_new_tokens: list | None = None, record_routing: bool = False,
-                            record_topk: bool = False, graphs: bool | None = None) -> list[Completion]:
+                            record_topk: bool = False, graphs: bool | None = None,
+                            prefill_chunk: int | None = None) -> list[Completion]:
         """Continuous batching over `max_batch` cache slots (a SlotBatch): requests join when a slot
-        frees (those joining together are prefilled together, between decode steps) and leave when
-        they finish (stop token or their length limit: `max_new_tokens[i]`, else params').
-        Completions as `generate`, in the order of `prompts`; `graphs` as SlotBatch's."""
+        frees (those joining together are prefilled together, between decode steps, or with
+        `prefill_chunk` in pieces of at most that many tokens a step) and leave when they finish
+        (stop token or their length limit: `max_new_tokens[i]`, else params'). Completions as
+        `generate`, in the order of `prompts`; `graphs` as SlotBatch's."""
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("generate needs at least one prompt and every prompt needs at least one token")
         if max_batch < 1:
@@ -182,7 +215,7 @@ class RolloutEngine:
             raise ValueError(f"max_new_tokens needs one limit >= 1 per prompt ({len(prompts)} prompts), got {limits}")
         capacity = max(len(p) + n for p, n in zip(prompts, limits))
         slots = SlotBatch(self, min(max_batch, len(prompts)), capacity, params, seed, record_routing, record_topk,
-                          graphs=graphs)
+                          graphs=graphs, prefill_chunk=prefill_chunk)
         waiting, done = deque(range(len(prompts))), [None] * len(prompts)
         while waiting or slots.busy:
             joining = [waiting.popleft() for _ in range(min(slots.free, len(waiting)))]
@@ -208,11 +241,22 @@ class SlotBatch:
     long tail of mixed response lengths) steps at the cost of its size, not of all slots.
     `graphs` (None: `engine.can_graph()`): every step is one replay of a CUDA graph, captured per
     bucket at its first use over views of the caches (their first `bucket` slots), which are the
-    graphs' static buffers: joins, leaves and moves write them in place."""
+    graphs' static buffers: joins, leaves and moves write them in place.
+
+    `prefill_chunk` (None: whole prompts at `join`): prompts are prefilled in pieces between decode
+    steps, at most that many prompt tokens per `step` (first come, first served), so a long prompt
+    joining does not stall the requests decoding. A joining request waits in `prefill_rows` staging
+    caches (at most that many at once; a staging row is a slot's worth of cache) until its prompt is
+    in, then moves into a free slot and samples its first token; its slot is counted as taken from
+    the join on (`free`)."""
 
     def __init__(self, engine: RolloutEngine, slots: int, capacity: int, params: SamplingParams, seed: int = 0,
                  record_routing: bool = False, record_topk: bool = False, cancelled=None,
-                 graphs: bool | None = None):
+                 graphs: bool | None = None, prefill_chunk: int | None = None, prefill_rows: int = 8):
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1 token (None: whole prompts), got {prefill_chunk}")
+        if prefill_rows < 1:
+            raise ValueError(f"prefill_rows must be >= 1, got {prefill_rows}")
         device = engine.model.device
         self.engine, self.capacity, self.params, self.cancelled = engine, capacity, params, cancelled
         self.states = engine._empty_states(slots, capacity)
@@ -227,26 +271,40 @@ class SlotBatch:
         self.stop = set(params.stop_token_ids)
         self.wanted = _recorded_sites(record_routing, record_topk)
         self.ended = []
+        self.prefill_chunk = prefill_chunk
+        self.joining = deque()  # _Joining requests whose prompts are being prefilled, in arrival order
+        if prefill_chunk is not None:
+            rows = min(slots, prefill_rows)
+            self.staging = DecodeBatch(engine._empty_states(rows, capacity),
+                                       torch.zeros(rows, dtype=torch.long, device=device))
+            self.staged = [None] * rows  # the _Joining that holds each staging row
 
     @property
     def free(self) -> int:
-        return sum(o is None for o in self.owner)
+        return sum(o is None for o in self.owner) - len(self.joining)
 
     @property
     def busy(self) -> bool:
-        return any(o is not None for o in self.owner)
+        return bool(self.joining) or any(o is not None for o in self.owner)
 
     def join(self, prompts, limits, tags, prompt_logits: bool = False):
         """Prefill `prompts` into free slots; each leaves after `limits[i]` tokens at the latest. With
         `prompt_logits`, returns the prefill's logits at every prompt token ([T, V] fp32, the prompts
-        packed in order): a teacher-forced pass over the prompts at no extra forward."""
-        into = [s for s, o in enumerate(self.owner) if o is None][:len(prompts)]
-        if len(into) < len(prompts):
-            raise ValueError(f"{len(prompts)} requests join but only {len(into)} slots are free")
+        packed in order): a teacher-forced pass over the prompts at no extra forward. With
+        `prefill_chunk` (and no `prompt_logits`), the prompts only queue here: `step` prefills them."""
+        if self.free < len(prompts):
+            raise ValueError(f"{len(prompts)} requests join but only {max(0, self.free)} slots are free")
         too_long = [len(p) + n for p, n in zip(prompts, limits) if len(p) + n > self.capacity]
         if too_long:
             raise ValueError(f"a request needs {too_long[0]} tokens of cache; the slots hold {self.capacity}")
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
         completions = _new_completions(prompts, self.wanted)
+        if self.prefill_chunk is not None and not prompt_logits:
+            self.joining.extend(_Joining(tag, list(map(int, p)), int(n), c)
+                                for tag, p, n, c in zip(tags, prompts, limits, completions))
+            return None
+        into = [s for s, o in enumerate(self.owner) if o is None][:len(prompts)]
         batch, logits = self.engine.prefill(prompts, self.capacity, all_logits=prompt_logits,
                                             record=_prefill_recorder(completions, prompts, self.wanted))
         every_row = logits if prompt_logits else None
@@ -262,7 +320,60 @@ class SlotBatch:
         return every_row
 
     @torch.no_grad()
+    def _prefill_chunks(self):
+        """One round of chunked prefill: up to `prefill_chunk` prompt tokens of the joining requests
+        (the oldest first) into their staging rows; a request whose prompt is complete moves into a
+        free slot and samples its first token."""
+        for j in [j for j in self.joining if self.cancelled is not None and self.cancelled(j.tag)]:
+            j.completion.finish_reason = "abort"
+            self._unstage(j)
+            _close_records(j.completion, self.wanted)
+            self.ended.append((j.tag, j.completion))
+        for j in self.joining:
+            if j.row is None and None in self.staged:
+                j.row = self.staged.index(None)
+                self.staged[j.row] = j
+                for t in _cache_tensors_of(self.staging, j.row):
+                    t.zero_()
+                self.staging.lengths[j.row] = 0
+        budget, chunks, going = self.prefill_chunk, [], []
+        for j in (j for j in self.joining if j.row is not None):
+            if budget == 0:
+                break
+            n = min(budget, len(j.prompt) - j.fed)
+            chunks.append(j.prompt[j.fed:j.fed + n])
+            going.append(j)
+            budget -= n
+        if not chunks:
+            return
+        record = _chunk_recorder([j.completion for j in going], chunks, self.wanted)
+        logits = self.engine.extend(self.staging, chunks, slots=[j.row for j in going], record=record)
+        ready = []
+        for i, (j, chunk) in enumerate(zip(going, chunks)):
+            j.fed += len(chunk)
+            if j.fed == len(j.prompt):
+                ready.append(i)
+        into = [s for s, o in enumerate(self.owner) if o is None][:len(ready)]
+        for i, s in zip(ready, into):
+            j = going[i]
+            for slot_state, staged_state in zip(self.states, self.staging.states):
+                _copy_into_slot(slot_state, staged_state, s, j.row)
+            self.lengths[s] = len(j.prompt)
+            self.occupied[s] = True
+            self.owner[s] = (j.tag, j.completion, j.limit)
+            self._unstage(j)
+        if ready:
+            self._take(logits[ready], into)
+
+    def _unstage(self, j):
+        self.joining.remove(j)
+        if j.row is not None:
+            self.staged[j.row] = None
+
+    @torch.no_grad()
     def step(self):
+        if self.joining:
+            self._prefill_chunks()
         fed = [s for s, o in enumerate(self.owner) if o is not None]
         if not fed:
             return
@@ -326,6 +437,19 @@ class SlotBatch:
             self.occupied[s], self.lengths[s] = False, 0
 
 
+@dataclass
+class _Joining:
+    """A request of a SlotBatch whose prompt is being prefilled in chunks: `fed` prompt tokens are in
+    staging row `row` (None until it gets one)."""
+
+    tag: object
+    prompt: list
+    limit: int
+    completion: Completion
+    fed: int = 0
+    row: int | None = None
+
+
 # generate() captures its decode step as a CUDA graph only when more steps than this may run.
 GRAPH_MIN_STEPS = 8
 
@@ -355,6 +479,23 @@ def _prefill_recorder(completions, prompts, wanted: dict):
                 if site == "indexer_topk":  # packed ids -> positions in the request
                     rows = torch.where(rows >= 0, rows - starts[j], rows).to(torch.int32)
                 getattr(c, wanted[site])[layer] = [rows]
+    return record
+
+
+def _chunk_recorder(completions, chunks, wanted: dict):
+    """`record` for one round of chunked prefill: each completion appends its chunk's rows of the
+    recorded sites (DSA selections are already positions in the request). None when nothing is recorded."""
+    if not wanted:
+        return None
+    starts = [0, *itertools.accumulate(len(c) for c in chunks)]
+
+    def record(layer, site, value):
+        if site in wanted:
+            host = value.cpu()
+            if site == "indexer_topk":
+                host = host.to(torch.int32)
+            for j, c in enumerate(completions):
+                getattr(c, wanted[site]).setdefault(layer, []).append(host[starts[j]:starts[j + 1]])
     return record
 
 
@@ -472,6 +613,15 @@ def _graphed_or_eager(engine: RolloutEngine, batch: DecodeBatch, record_sites):
         return None
 
 
+def _capacity(batch: DecodeBatch) -> int:
+    """Tokens each request's cache holds: the length axis of the first DSA latent cache (a model of
+    KDA layers only has no such limit)."""
+    for state in batch.states:
+        if hasattr(state, "latent"):
+            return state.latent.shape[1]
+    return 1 << 62
+
+
 def _cache_tensors(state):
     """Every tensor of one layer's cache, nested caches (a DSA layer's indexer) included, in field order."""
     for f in fields(state):
@@ -480,6 +630,13 @@ def _cache_tensors(state):
             yield from _cache_tensors(value)
         elif value is not None:
             yield value
+
+
+def _cache_tensors_of(batch: DecodeBatch, row: int):
+    """Row `row` (views) of every cache tensor of a DecodeBatch."""
+    for state in batch.states:
+        for t in _cache_tensors(state):
+            yield t[row]
 
 
 def _first_slots(state, n: int):
