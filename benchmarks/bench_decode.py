@@ -12,9 +12,12 @@ Weights: seeded random (glmkit's synth rules) made on the device, shared with th
   The prefill is timed apart, warm: a first prefill of the same shape (compiles, autotune) is
   timed as `*_prefill_first_s`, the second one is the row's prefill time and tokens/s.
 - mixed: `--mixed` requests, prompts of `--prompt-len`, response lengths drawn from 16..`--mixed-max`
-  (seeded), through `generate_continuous` with `--mixed` slots, end to end in tokens/s, against the
-  same requests all at the mean length (fixed): the ratio fixed / mixed is what the target bounds.
-Writes JSON with --out.
+  (seeded), through `generate_continuous` with `--mixed-slots` slots (default: one per request) and
+  `--prefill-chunk` (default: whole prompts at each join), end to end in tokens/s (graph captures
+  included: each run is a new SlotBatch), against the same requests all at the mean length (fixed):
+  the ratio fixed / mixed is what the target bounds. A warm-up run first steps every slot bucket
+  once (compiles for each batch size stay out of both).
+A reference row that runs out of memory is reported as such. Writes JSON with --out after every row.
 """
 
 from __future__ import annotations
@@ -68,11 +71,15 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--mixed", type=int, default=8, help="requests in the mixed workload (0 skips it)")
     parser.add_argument("--mixed-max", type=int, default=64)
+    parser.add_argument("--mixed-slots", type=int, help="slots of the mixed workload (default: --mixed)")
+    parser.add_argument("--prefill-chunk", type=int, help="prompt tokens prefilled per step in the mixed workload")
     parser.add_argument("--no-reference", action="store_true")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     if args.prompt_len < 1 or args.steps < 1 or args.mixed_max < 16:
         raise SystemExit("--prompt-len and --steps must be >= 1, --mixed-max >= 16")
+    if (args.mixed_slots is not None and args.mixed_slots < 1) or (args.prefill_chunk is not None and args.prefill_chunk < 1):
+        raise SystemExit("--mixed-slots and --prefill-chunk must be >= 1")
 
     from benchmarks.bench_gpu import share_with_reference
     from glmkit.checkpoint.synth import synth_model
@@ -109,22 +116,13 @@ def main(argv=None):
                                                               args.steps, dev)
                 row["glmkit_ms_per_step"] = min(row["glmkit_ms_per_step"], row["glmkit_graph_ms_per_step"])
             if ref is not None:
-                out, row["reference_prefill_first_s"], row["reference_prefill_s"] = first_and_warm(
-                    lambda: ref(input_ids=ids, use_cache=True), dev)
-                cache = [out.past_key_values]
-                theirs = [out.logits[:, -1].argmax(-1)]
-
-                def reference_step(i):
-                    # the reference is fed glmkit's tokens, so both decode the same sequences
-                    step_out = ref(input_ids=ours[i][:, None], cache=cache[0], use_cache=True)
-                    cache[0] = step_out.past_key_values
-                    theirs.append(step_out.logits[:, -1].argmax(-1))
-
-                row["reference_ms_per_step"] = ms_per_step(reference_step, args.steps, dev)
-                row["ratio"] = row["reference_ms_per_step"] / row["glmkit_ms_per_step"]
-                # sanity: both sides predict the same next tokens (bf16 may flip a few near-ties)
-                row["greedy_agree"] = (torch.stack(ours) == torch.stack(theirs)).float().mean().item()
+                try:
+                    reference_row(ref, ids, ours, row, args.steps, dev)
+                except torch.OutOfMemoryError:
+                    row["reference"] = "OOM"
+                    torch.cuda.empty_cache()
         rows.append(row)
+        write(args.out, args, rows)
         graph_note = (f", eager {row['glmkit_eager_ms_per_step']:.2f} ms, graph capture {row['graph_capture_s']:.1f} s"
                       if "graph_capture_s" in row else "")
         print(f"decode B={B:4d}: glmkit {row['glmkit_ms_per_step']:8.2f} ms/step "
@@ -132,26 +130,59 @@ def main(argv=None):
               f"{row['glmkit_prefill_tok_s']:.0f} tok/s{graph_note})"
               + (f"   reference {row['reference_ms_per_step']:8.2f} ms/step (prefill {row['reference_prefill_s']:.3f} s)"
                  f"   ratio {row['ratio']:.2f}x, greedy tokens agree {row['greedy_agree']:.0%}"
-                 if "ratio" in row else ""), flush=True)
+                 if "ratio" in row else "") + ("   reference OOM" if row.get("reference") == "OOM" else ""), flush=True)
     if args.mixed:
         lengths = torch.randint(16, args.mixed_max + 1, (args.mixed,), generator=g).tolist()
         prompts = torch.randint(3, config.vocab_size, (args.mixed, args.prompt_len), generator=g).tolist()
         params = SamplingParams(temperature=1.0, max_new_tokens=args.mixed_max)
         fixed = [round(sum(lengths) / len(lengths))] * args.mixed
-        engine.generate_continuous(prompts[:1], params, 1, max_new_tokens=[2])  # warm-up
-        result = {"row": "mixed", "requests": args.mixed, "lengths": [16, args.mixed_max]}
+        slots = args.mixed_slots or args.mixed
+        run = lambda limits: engine.generate_continuous(prompts, params, slots, max_new_tokens=limits,  # noqa: E731
+                                                        prefill_chunk=args.prefill_chunk)
+        run([1 + i % slots for i in range(args.mixed)])  # warm-up: requests leave one a step, every bucket runs
+        result = {"row": "mixed", "requests": args.mixed, "slots": slots, "prefill_chunk": args.prefill_chunk,
+                  "lengths": [16, args.mixed_max]}
         for name, limits in (("mixed", lengths), ("fixed", fixed)):
             start = time.perf_counter()
-            done = engine.generate_continuous(prompts, params, args.mixed, max_new_tokens=limits)
+            done = run(limits)
             sync(dev)
             seconds = time.perf_counter() - start
             result[f"{name}_tok_s"] = sum(len(c.tokens) for c in done) / seconds
         result["fixed_over_mixed"] = result["fixed_tok_s"] / result["mixed_tok_s"]
         rows.append(result)
-        print(f"mixed workload, {args.mixed} requests of 16-{args.mixed_max} tokens: {result['mixed_tok_s']:.0f} tok/s; "
-              f"all at the mean length: {result['fixed_tok_s']:.0f} tok/s; fixed / mixed {result['fixed_over_mixed']:.2f}x")
-    if args.out:
-        Path(args.out).write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+        print(f"mixed workload, {args.mixed} requests of 16-{args.mixed_max} tokens over {slots} slots"
+              f"{f', prompts in {args.prefill_chunk}-token chunks' if args.prefill_chunk else ''}: "
+              f"{result['mixed_tok_s']:.0f} tok/s; all at the mean length: {result['fixed_tok_s']:.0f} tok/s; "
+              f"fixed / mixed {result['fixed_over_mixed']:.2f}x")
+        write(args.out, args, rows)
+
+
+def reference_row(ref, ids, ours, row, steps, dev):
+    """The reference's warm prefill and decode steps (fed glmkit's tokens `ours`, so both decode the
+    same sequences) into `row`, with the ratio and how often both sides' greedy tokens agree."""
+    out, row["reference_prefill_first_s"], row["reference_prefill_s"] = first_and_warm(
+        lambda: ref(input_ids=ids, use_cache=True), dev)
+    cache = [out.past_key_values]
+    theirs = [out.logits[:, -1].argmax(-1)]
+    del out
+
+    def reference_step(i):
+        step_out = ref(input_ids=ours[i][:, None], cache=cache[0], use_cache=True)
+        cache[0] = step_out.past_key_values
+        theirs.append(step_out.logits[:, -1].argmax(-1))
+
+    row["reference_ms_per_step"] = ms_per_step(reference_step, steps, dev)
+    row["ratio"] = row["reference_ms_per_step"] / row["glmkit_ms_per_step"]
+    # sanity: both sides predict the same next tokens (bf16 may flip a few near-ties)
+    row["greedy_agree"] = (torch.stack(ours[:len(theirs)]) == torch.stack(theirs)).float().mean().item()
+
+
+def write(out, args, rows):
+    """The rows so far as JSON (a command cut short still leaves what it measured), written whole."""
+    if out:
+        tmp = Path(out).with_suffix(".tmp")
+        tmp.write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+        tmp.replace(out)
 
 
 if __name__ == "__main__":
