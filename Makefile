@@ -38,7 +38,8 @@ bench: setup
 # tilelang and transformers by the tool's defaults, plus what `glmkit serve` needs there (the GPU
 # image has no fastapi or uvicorn), at the versions the CPU venv installs (constraints/cpu.txt).
 GPU_SERVE_PINS := fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic_core==2.50.5 uvicorn==0.55.0 \
-	h11==0.16.0 anyio==4.16.0 annotated-types==0.8.0 typing-inspection==0.4.5 click==8.5.1 typing_extensions==4.16.0
+	h11==0.16.0 anyio==4.16.0 annotated-types==0.8.0 typing-inspection==0.4.5 click==8.5.1 typing_extensions==4.16.0 \
+	opentelemetry-api==1.45.2 annotated-doc==0.0.7 idna==3.20
 
 gpu-bundle:
 	../shared/tools/gpu-bundle $(GPU_SERVE_PINS)

@@ -66,20 +66,23 @@ def main(argv=None):
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--kda-backend", default="torch")
-    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--batches", default="1,8", help="decode batch sizes, comma-separated ('' for none)")
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--mixed", type=int, default=8, help="requests in the mixed workload (0 skips it)")
     parser.add_argument("--mixed-max", type=int, default=64)
-    parser.add_argument("--mixed-slots", type=int, help="slots of the mixed workload (default: --mixed)")
+    parser.add_argument("--mixed-slots", default="", help="slot counts of the mixed workload, comma-separated: "
+                        "one mixed row each (default: --mixed)")
     parser.add_argument("--prefill-chunk", type=int, help="prompt tokens prefilled per step in the mixed workload")
     parser.add_argument("--no-reference", action="store_true")
     parser.add_argument("--out")
     args = parser.parse_args(argv)
     if args.prompt_len < 1 or args.steps < 1 or args.mixed_max < 16:
         raise SystemExit("--prompt-len and --steps must be >= 1, --mixed-max >= 16")
-    if (args.mixed_slots is not None and args.mixed_slots < 1) or (args.prefill_chunk is not None and args.prefill_chunk < 1):
-        raise SystemExit("--mixed-slots and --prefill-chunk must be >= 1")
+    batches = [int(b) for b in args.batches.split(",") if b.strip()]
+    slot_counts = [int(n) for n in args.mixed_slots.split(",") if n.strip()] or [args.mixed]
+    if any(n < 1 for n in batches + slot_counts) or (args.prefill_chunk is not None and args.prefill_chunk < 1):
+        raise SystemExit("--batches, --mixed-slots and --prefill-chunk must be >= 1")
 
     from benchmarks.bench_gpu import share_with_reference
     from glmkit.checkpoint.synth import synth_model
@@ -95,7 +98,7 @@ def main(argv=None):
     print(f"{describe(config)}; {dev} {args.dtype}, KDA {args.kda_backend}", flush=True)
     g = torch.Generator().manual_seed(0)
     rows = []
-    for B in map(int, args.batches.split(",")):
+    for B in batches:
         ids = torch.randint(3, config.vocab_size, (B, args.prompt_len), generator=g).to(dev)
         row = {"row": f"decode-{B}", "batch": B, "prompt_len": args.prompt_len, "steps": args.steps}
         with torch.no_grad():
@@ -136,25 +139,25 @@ def main(argv=None):
         prompts = torch.randint(3, config.vocab_size, (args.mixed, args.prompt_len), generator=g).tolist()
         params = SamplingParams(temperature=1.0, max_new_tokens=args.mixed_max)
         fixed = [round(sum(lengths) / len(lengths))] * args.mixed
-        slots = args.mixed_slots or args.mixed
-        run = lambda limits: engine.generate_continuous(prompts, params, slots, max_new_tokens=limits,  # noqa: E731
-                                                        prefill_chunk=args.prefill_chunk)
-        run([1 + i % slots for i in range(args.mixed)])  # warm-up: requests leave one a step, every bucket runs
-        result = {"row": "mixed", "requests": args.mixed, "slots": slots, "prefill_chunk": args.prefill_chunk,
-                  "lengths": [16, args.mixed_max]}
-        for name, limits in (("mixed", lengths), ("fixed", fixed)):
-            start = time.perf_counter()
-            done = run(limits)
-            sync(dev)
-            seconds = time.perf_counter() - start
-            result[f"{name}_tok_s"] = sum(len(c.tokens) for c in done) / seconds
-        result["fixed_over_mixed"] = result["fixed_tok_s"] / result["mixed_tok_s"]
-        rows.append(result)
-        print(f"mixed workload, {args.mixed} requests of 16-{args.mixed_max} tokens over {slots} slots"
-              f"{f', prompts in {args.prefill_chunk}-token chunks' if args.prefill_chunk else ''}: "
-              f"{result['mixed_tok_s']:.0f} tok/s; all at the mean length: {result['fixed_tok_s']:.0f} tok/s; "
-              f"fixed / mixed {result['fixed_over_mixed']:.2f}x")
-        write(args.out, args, rows)
+        for slots in slot_counts:
+            run = lambda limits: engine.generate_continuous(prompts, params, slots, max_new_tokens=limits,  # noqa: E731
+                                                            prefill_chunk=args.prefill_chunk)
+            run([1 + i % slots for i in range(args.mixed)])  # warm-up: requests leave one a step, every bucket runs
+            result = {"row": f"mixed-{slots}", "requests": args.mixed, "slots": slots,
+                      "prefill_chunk": args.prefill_chunk, "lengths": [16, args.mixed_max]}
+            for name, limits in (("mixed", lengths), ("fixed", fixed)):
+                start = time.perf_counter()
+                done = run(limits)
+                sync(dev)
+                seconds = time.perf_counter() - start
+                result[f"{name}_tok_s"] = sum(len(c.tokens) for c in done) / seconds
+            result["fixed_over_mixed"] = result["fixed_tok_s"] / result["mixed_tok_s"]
+            rows.append(result)
+            print(f"mixed workload, {args.mixed} requests of 16-{args.mixed_max} tokens over {slots} slots"
+                  f"{f', prompts in {args.prefill_chunk}-token chunks' if args.prefill_chunk else ''}: "
+                  f"{result['mixed_tok_s']:.0f} tok/s; all at the mean length: {result['fixed_tok_s']:.0f} tok/s; "
+                  f"fixed / mixed {result['fixed_over_mixed']:.2f}x", flush=True)
+            write(args.out, args, rows)
 
 
 def reference_row(ref, ids, ours, row, steps, dev):

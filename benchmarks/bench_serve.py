@@ -36,12 +36,14 @@ def start_server(checkpoint, device, max_batch):
                              "--device", device, "--max-batch-size", str(max_batch)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    seen = []  # what the server printed before it listened: its error, when it does not start
     line = proc.stdout.readline()
     while line and "on http://" not in line:
+        seen.append(line)
         line = proc.stdout.readline()
     if "on http://" not in line:
         proc.kill()
-        raise RuntimeError(f"server did not start: {line!r}")
+        raise RuntimeError("server did not start; its last output:\n" + "".join(seen[-20:]))
     threading.Thread(target=proc.stdout.read, daemon=True).start()
     return proc, line.split(" on ")[1].split()[0]
 

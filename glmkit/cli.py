@@ -384,7 +384,7 @@ def cmd_serve(args) -> int:
         raise ValueError(f"--max-context must be >= 2, got {args.max_context}")
     serve(args.checkpoint, args.host, args.port, args.device, args.dtype, _backends(args), args.tokenizer,
           args.max_batch_size, args.allow_updates_from, on_ready=lambda line: print(line, flush=True),
-          max_context=args.max_context)
+          max_context=args.max_context, prefill_chunk=args.prefill_chunk)
     return 0
 
 
@@ -591,6 +591,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-batch-size", type=_positive, default=64, help="most inputs batched into one engine call")
     p.add_argument("--max-context", type=int, default=65536,
                    help="most prompt + new tokens of one request (larger ones are refused with 400)")
+    p.add_argument("--prefill-chunk", type=_positive, metavar="TOKENS",
+                   help="prefill joining prompts at most TOKENS a decode step (default: whole prompts at once)")
     p.add_argument("--allow-updates-from", action="append", default=[], metavar="DIR",
                    help="/update_weights_from_disk may read directories under DIR (repeatable; default: none)")
     _backend_arguments(p)

@@ -201,6 +201,34 @@ def test_concurrent_requests_are_batched_and_answered_alike(server, local_engine
         assert (got - torch.tensor(alone.logprobs)).abs().max() < 1e-4  # batched vs alone: fp32 order
 
 
+def test_prompts_prefilled_in_chunks_by_the_server_answer_as_alone(local_engine):
+    """`glmkit serve --prefill-chunk 3 --max-batch-size 4`: 8 concurrent requests with prompts of 2-21
+    tokens, so prompts join a running batch 3 tokens a step: each answer is the in-process engine's
+    completion of that prompt alone (greedy tokens equal, log-probs to 1e-4: fp32 summation order)."""
+    s = Server("--prefill-chunk", "3", "--max-batch-size", "4")
+    try:
+        client = SGLangClient(s.url)
+        prompts = [list(range(5 + i, 5 + i + 2 + (7 * i) % 20)) for i in range(8)]
+        answers = [None] * len(prompts)
+
+        def ask(i):
+            answers[i] = client.generate(input_ids=prompts[i], return_logprob=True,
+                                         sampling_params={"max_new_tokens": 4 + i, "temperature": 0})
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        for i, (prompt, answer) in enumerate(zip(prompts, answers)):
+            alone = local_engine.generate([prompt], SamplingParams(temperature=0, max_new_tokens=4 + i))[0]
+            assert answer["output_ids"] == alone.tokens
+            got = torch.tensor([lp for lp, _, _ in answer["meta_info"]["output_token_logprobs"]])
+            assert (got - torch.tensor(alone.logprobs)).abs().max() < 1e-4
+    finally:
+        s.kill()
+
+
 @pytest.mark.parametrize("body,needle", [
     ({"input_ids": "abc"}, "input_ids"),
     ({"input_ids": [1, 2], "sampling_params": {"temperature": "hot"}}, "temperature"),

@@ -68,12 +68,14 @@ class EngineService:
     """The model, its engine and tokenizer, the weight version; every method runs on the worker."""
 
     def __init__(self, model, backends=None, tokenizer=None, model_path: str = "", tokenizer_path: str = "",
-                 max_batch: int = DEFAULT_MAX_BATCH, update_roots=(), max_context: int = DEFAULT_MAX_CONTEXT):
+                 max_batch: int = DEFAULT_MAX_BATCH, update_roots=(), max_context: int = DEFAULT_MAX_CONTEXT,
+                 prefill_chunk: int | None = None):
         from glmkit.model import RolloutEngine
 
         self.model, self.engine = model, RolloutEngine(model, backends)
         self.tokenizer, self.model_path, self.tokenizer_path = tokenizer, model_path, tokenizer_path
         self.max_batch, self.max_context = max_batch, max_context
+        self.prefill_chunk = prefill_chunk  # SlotBatch's: prompts joining a running batch go in pieces
         self.update_roots = [Path(r).resolve() for r in update_roots]
         self.weight_version = "default"
         self.updates = 0
@@ -138,7 +140,7 @@ class EngineService:
         seed = p.sampling_seed if p.sampling_seed is not None else next(self.seeds)
         self.batches_run += 1
         return SlotBatch(self.engine, self.max_batch, capacity, params, seed, record_routing=True, record_topk=True,
-                         cancelled=lambda item: cancelled(item.rid))
+                         cancelled=lambda item: cancelled(item.rid), prefill_chunk=self.prefill_chunk)
 
     def admit(self, slots, items: list[Pending]) -> None:
         """Prefill `items` into free slots (and their teacher-forced pass where asked)."""
@@ -587,7 +589,8 @@ def build_app(service: EngineService, window_s: float = 0.005):
 
 def serve(checkpoint, host: str = "127.0.0.1", port: int = 30000, device: str = "cpu", dtype: str | None = None,
           backends=None, tokenizer: str | None = None, max_batch: int = DEFAULT_MAX_BATCH, update_roots=(),
-          window_s: float = 0.005, on_ready=print, max_context: int = DEFAULT_MAX_CONTEXT):
+          window_s: float = 0.005, on_ready=print, max_context: int = DEFAULT_MAX_CONTEXT,
+          prefill_chunk: int | None = None):
     """Load the checkpoint and serve until interrupted. Port 0 picks a free port; `on_ready` gets
     the line naming the address."""
     import uvicorn
@@ -599,7 +602,7 @@ def serve(checkpoint, host: str = "127.0.0.1", port: int = 30000, device: str = 
     tok_dir = tokenizer or (str(checkpoint) if has_tokenizer_files(checkpoint) else None)
     tok = load_tokenizer(tok_dir) if tok_dir else None
     service = EngineService(model, backends, tok, str(checkpoint), tok_dir or "", max_batch, update_roots,
-                            max_context)
+                            max_context, prefill_chunk)
     app = build_app(service, window_s)
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
