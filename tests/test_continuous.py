@@ -40,18 +40,23 @@ def assert_same(alone, got):
         assert torch.equal(got.topk[layer], alone.topk[layer])
 
 
-@pytest.mark.parametrize("slots", [1, 3, 8])
-def test_every_request_gets_its_completion_alone(engine, slots):
-    prompts, limits = workload(7)
-    got = engine.generate_continuous(prompts, SamplingParams(temperature=0, max_new_tokens=99), slots,
-                                     max_new_tokens=limits, record_routing=True, record_topk=True)
-    assert [len(c.tokens) for c in got] == limits  # no stop tokens: each runs to its own limit
+def assert_each_as_alone(engine, prompts, limits, got):
+    """Every completion is the one its prompt gets alone, with a recorded row per fed token."""
     for prompt, limit, c in zip(prompts, limits, got):
         alone = engine.generate([prompt], SamplingParams(temperature=0, max_new_tokens=limit), record_routing=True,
                                 record_topk=True)[0]
         assert_same(alone, c)
         fed = len(prompt) + len(c.tokens) - 1
         assert c.routing[3].shape[0] == fed and c.topk[3].shape[0] == fed
+
+
+@pytest.mark.parametrize("slots", [1, 3, 8])
+def test_every_request_gets_its_completion_alone(engine, slots):
+    prompts, limits = workload(7)
+    got = engine.generate_continuous(prompts, SamplingParams(temperature=0, max_new_tokens=99), slots,
+                                     max_new_tokens=limits, record_routing=True, record_topk=True)
+    assert [len(c.tokens) for c in got] == limits  # no stop tokens: each runs to its own limit
+    assert_each_as_alone(engine, prompts, limits, got)
 
 
 def test_a_draining_batch_moves_to_a_smaller_bucket_and_keeps_every_completion(engine, monkeypatch):
@@ -153,12 +158,7 @@ def test_prompts_prefilled_in_chunks_get_their_completion_alone(engine, monkeypa
     monkeypatch.undo()
     assert all(sum(p) <= chunk for p in pieces) and sum(map(sum, pieces)) == sum(map(len, prompts))
     assert len(pieces) >= sum(map(len, prompts)) / chunk
-    for prompt, limit, c in zip(prompts, limits, got):
-        alone = engine.generate([prompt], SamplingParams(temperature=0, max_new_tokens=limit), record_routing=True,
-                                record_topk=True)[0]
-        assert_same(alone, c)
-        fed = len(prompt) + len(c.tokens) - 1
-        assert c.routing[3].shape[0] == fed and c.topk[3].shape[0] == fed
+    assert_each_as_alone(engine, prompts, limits, got)
 
 
 def test_extend_continues_a_prefill_as_one_prefill(engine):
