@@ -437,7 +437,7 @@ class SlotBatch:
             self.occupied[s], self.lengths[s] = False, 0
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: SlotBatch removes this very request from its queue
 class _Joining:
     """A request of a SlotBatch whose prompt is being prefilled in chunks: `fed` prompt tokens are in
     staging row `row` (None until it gets one)."""
