@@ -3,8 +3,10 @@
 Prefill runs the prompts packed (KDA chunked, DSA through the run's kernel backend) and leaves
 per-request caches: KDA conv and recurrent states, the DSA latent (R dims per token, never expanded per head), and the indexer's
 keys, gates and completed pool keys. Decode then advances every request one token per step (KDA
-recurrent update, DSA absorbed over the selected latents, the indexer compressing a pool the moment
-it completes). Sampling returns each sampled token's log-prob under softmax(logits / temperature).
+recurrent update, DSA over the selected latents of the cache through the run's DSA backend, the
+indexer compressing a pool the moment it completes). `extend` prefills further pieces of prompts
+into existing caches (chunked prefill). Sampling returns each sampled token's log-prob under
+softmax(logits / temperature).
 """
 
 from __future__ import annotations

@@ -181,12 +181,18 @@ def fold_weights(kv_b_weight: torch.Tensor, heads: int, dk: int):
     return w[:, :dk], w[:, dk:]
 
 
-def attend(q, latent, kv_b_weight, idx, bounds, scale):
+def through_latent(q, kv_b_weight, core):
+    """q [T, H, dk] -> q_lat = q W_UK [T, H, R] -> core(q_lat) = o_lat [T, H, R] -> o_lat W_UV^T
+    [T, H, dv]: kv_b folded into the query and the output, one GEMM per head on each side."""
     T, H, dk = q.shape
     w_uk, w_uv = fold_weights(kv_b_weight, H, dk)
-    q_lat = torch.bmm(q.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, R]: one GEMM per head
-    o_lat = SparseMQA.apply(q_lat.contiguous(), latent.contiguous(), idx, [tuple(b) for b in bounds], scale)
-    return torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [T, H, dv]
+    o_lat = core(torch.bmm(q.transpose(0, 1), w_uk).transpose(0, 1).contiguous())
+    return torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+
+
+def attend(q, latent, kv_b_weight, idx, bounds, scale):
+    return through_latent(q, kv_b_weight, lambda q_lat: SparseMQA.apply(
+        q_lat, latent.contiguous(), idx, [tuple(b) for b in bounds], scale))
 
 
 def attend_cache(q, cache, kv_b_weight, idx, slots, scale):

@@ -351,11 +351,8 @@ class SparseMQATriton(torch.autograd.Function):
 
 def attend(q, latent, kv_b_weight, idx, bounds, scale):
     """Same contract and weight folding as absorbed.attend; only the core is the Triton kernel."""
-    T, H, dk = q.shape
-    w_uk, w_uv = absorbed.fold_weights(kv_b_weight, H, dk)
-    q_lat = torch.bmm(q.transpose(0, 1), w_uk).transpose(0, 1)  # [T, H, R]: one GEMM per head
-    o_lat = SparseMQATriton.apply(q_lat.contiguous(), latent.contiguous(), idx, [tuple(b) for b in bounds], scale)
-    return torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [T, H, dv]
+    return absorbed.through_latent(q, kv_b_weight, lambda q_lat: SparseMQATriton.apply(
+        q_lat, latent.contiguous(), idx, [tuple(b) for b in bounds], scale))
 
 
 def attend_cache(q, cache, kv_b_weight, idx, slots, scale):
@@ -363,8 +360,4 @@ def attend_cache(q, cache, kv_b_weight, idx, slots, scale):
     absorbed.attend_cache, the core is the forward kernel reading each row's latents from its slot.
     A decode step of B requests is B programs, one per row, each over its W slots (empty blocks
     skipped), the same kernel and tiles as prefill's."""
-    T, H, dk = q.shape
-    w_uk, w_uv = absorbed.fold_weights(kv_b_weight, H, dk)
-    q_lat = torch.bmm(q.transpose(0, 1), w_uk).transpose(0, 1)
-    o_lat, _ = forward(q_lat, cache, idx, scale, slots=slots)
-    return torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+    return absorbed.through_latent(q, kv_b_weight, lambda q_lat: forward(q_lat, cache, idx, scale, slots=slots)[0])
