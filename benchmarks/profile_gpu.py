@@ -95,7 +95,39 @@ def kernel_table(fn, top: int):
             totals[name] += event.device_time / 1e3
             counts[name] += 1
     ranked = sorted(totals.items(), key=lambda kv: -kv[1])
-    return sum(totals.values()), [(name, ms, counts[name]) for name, ms in ranked[:top]]
+    return sum(totals.values()), [(name, ms, counts[name]) for name, ms in ranked[:top]], sum(counts.values())
+
+
+def host_ops(fn, top: int) -> list:
+    """The operators one call dispatches, by how often (a launch-bound call is won back by dispatching
+    fewer): [(name, calls, host ms)] of the top-level ones (ops called from inside another op are
+    folded into their caller)."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    calls, host = defaultdict(int), defaultdict(float)
+    for event in prof.events():
+        if event.cpu_parent is None and event.device_type == torch.autograd.DeviceType.CPU:
+            calls[event.name[:70]] += 1
+            host[event.name[:70]] += event.cpu_time_total / 1e3
+    ranked = sorted(calls.items(), key=lambda kv: -kv[1])
+    return [(name, n, host[name]) for name, n in ranked[:top]]
+
+
+def python_hotspots(fn, top: int) -> list:
+    """[(function, calls, own host ms)] under cProfile: where the host spends its time dispatching."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    fn()
+    torch.cuda.synchronize()
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats
+    ranked = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return [(f"{Path(file).name}:{line}({name})", calls, own * 1e3) for (file, line, name), (_, calls, own, _, _)
+            in ranked]
 
 
 def host_syncs(fn) -> dict:
@@ -169,7 +201,8 @@ def main(argv=None):
             fn()
         modules = split_by_module(timer.totals())
         timer.remove()
-        total, kernels = kernel_table(fn, args.top)
+        total, kernels, launches = kernel_table(fn, args.top)
+        ops = host_ops(fn, args.top)
         syncs = host_syncs(fn)
         print(f"\n== {row} T={t}: {wall:.1f} ms per call ({t / wall * 1e3:.0f} tok/s), peak {peak:.1f} GiB, "
               f"first call {first:.1f} s")
@@ -177,11 +210,20 @@ def main(argv=None):
         for label, ms in sorted(modules.items()):
             print(f"  {label:28s} {ms:8.2f}")
         print_kernels(f"{row} T={t}", total, kernels)
+        print(f"kernels launched in one call: {launches}; GPU busy {100 * total / wall:.0f}% of the wall time")
+        print("top-level operators dispatched, by count (calls, host ms under the profiler):")
+        for name, n, ms in ops:
+            print(f"  x{n:<5d} {ms:8.2f} ms  {name}")
+        hotspots = python_hotspots(fn, args.top)
+        print("Python functions by own host time (cProfile, inflated by it):")
+        for name, n, ms in hotspots:
+            print(f"  x{n:<5d} {ms:8.2f} ms  {name}")
         print(f"host syncs in one call: {sum(syncs.values())}")
         for where, n in sorted(syncs.items(), key=lambda kv: -kv[1])[:args.top]:
             print(f"  x{n:<4d} {where}")
         report[row] = {"tokens": t, "ms": wall, "peak_gib": peak, "first_s": first, "modules_ms": modules,
-                       "kernel_ms": total, "kernels": kernels, "host_syncs": syncs}
+                       "kernel_ms": total, "kernels": kernels, "launches": launches,
+                       "host_ops": ops, "python": hotspots, "host_syncs": syncs}
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "profile.json").write_text(json.dumps(report, indent=1))
