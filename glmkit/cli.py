@@ -195,6 +195,9 @@ def cmd_train(args) -> int:
     from glmkit.rl.loop import NonFiniteRun, rollout_rows
 
     rollout = None
+    if args.data_parallel and args.rollout_url and args.weight_update == "distributed":
+        raise SystemExit("glmkit train: --data-parallel and --weight-update distributed both need this process's "
+                         "torch.distributed group; use --weight-update tensor or disk with --data-parallel")
     if args.rollout_url:
         from glmkit.serve.client import SGLangRollout
 
@@ -217,6 +220,11 @@ def cmd_train(args) -> int:
     except NonFiniteRun as err:
         stopped = str(err)
         print(f"glmkit train: {stopped}", file=sys.stderr)
+    finally:
+        if trainer.dp is not None:
+            trainer.dp.close()
+    if not trainer.lead:  # rank 0 reports for the data-parallel group
+        return 1 if stopped is not None else 0
     rollouts = rollout_rows(history)
     first, last = rollouts[0] if rollouts else {}, rollouts[-1] if rollouts else {}
     print(f"rollouts {len(rollouts)}: raw_reward {first.get('rollout/raw_reward', float('nan')):.3f} -> "
@@ -488,6 +496,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--dtype", default="float32", choices=list(DTYPES))
         _backend_arguments(p)
         p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--data-parallel", default="", choices=["gloo", "nccl"],
+                       help="this process is one rank of a data-parallel trainer started by torchrun "
+                            "(torchrun --nproc-per-node N -m glmkit train --data-parallel nccl ...); rank 0 rolls "
+                            "out and writes the metrics")
         p.add_argument("--metrics-out", default="reports/train/metrics.jsonl")
         p.add_argument("--save", help="checkpoint directory")
         p.add_argument("--save-interval", type=int, default=0)

@@ -35,12 +35,19 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.
 def sample_mean(values: torch.Tensor, mask: torch.Tensor, sample_of: torch.Tensor, num_samples: int):
     """Mean over samples of each sample's mean over its masked tokens (the recipe's reduction).
     values, mask, sample_of: [T] over packed tokens; samples without any masked token are skipped."""
+    total, present = sample_sums(values, mask, sample_of, num_samples)
+    return total / present if present else total
+
+
+def sample_sums(values: torch.Tensor, mask: torch.Tensor, sample_of: torch.Tensor, num_samples: int):
+    """(sum over samples of each sample's masked-token mean [a 0-d tensor], number of samples with a
+    masked token): sample_mean's parts, which data-parallel ranks add up before dividing."""
     mask = mask.float()
     sums = torch.zeros(num_samples, dtype=torch.float32, device=values.device).index_add(
         0, sample_of, values.float() * mask)
     counts = torch.zeros(num_samples, dtype=torch.float32, device=values.device).index_add(0, sample_of, mask)
     present = counts > 0
-    return (sums[present] / counts[present]).mean() if present.any() else values.new_zeros(())
+    return (sums[present] / counts[present]).sum(), int(present.sum())
 
 
 def ppo_clip_loss(logp, old_logp, advantages, eps_clip: float = 0.2, eps_clip_high: float = 0.28):

@@ -7,6 +7,7 @@ update the trainer's trainable tensors (the whole model, or only the LoRA adapte
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
@@ -80,6 +81,7 @@ class TrainConfig:
     dtype: str = "float32"
     backends: str = ""  # Backends spec, e.g. "kda=fla,dsa=absorbed"; empty = the defaults
     seed: int = 0
+    data_parallel: str = ""  # "" = one process; gloo / nccl = a rank of a torchrun-launched group
     metrics_out: str = "reports/train/metrics.jsonl"
     save: str | None = None
     save_interval: int = 0
@@ -318,16 +320,26 @@ class LocalRollout:
 
 
 class GRPOTrainer:
-    def __init__(self, cfg: TrainConfig, rollout=None):
+    def __init__(self, cfg: TrainConfig, rollout=None, dp=None):
         """`rollout`: an object with generate(prompt_ids, params, seed) -> completions and
-        load(tensors); None = LocalRollout on a copy of the policy's trainable weights."""
+        load(tensors); None = LocalRollout on a copy of the policy's trainable weights.
+        `dp`: a `glmkit.rl.parallel.DataParallel` (or made from the environment when
+        cfg.data_parallel is set): this process is one trainer rank; rank 0 alone rolls out, writes
+        metrics and checkpoints."""
         from glmkit.model import TrainPath, load_model
         from glmkit.rl import lora
         from glmkit.rl.data import load_prompts
         from glmkit.rl.tokenizer import load_tokenizer
 
         self.cfg = cfg = cfg.resolved()
-        self.notes = _claim_outputs(cfg)  # before anything slow: a refused run fails at once
+        if dp is None and cfg.data_parallel:
+            from glmkit.rl.parallel import DataParallel
+
+            dp = DataParallel.from_env(cfg.data_parallel)
+        self.dp = dp
+        self.lead = dp is None or dp.rank == 0  # the rank that rolls out, writes and syncs
+        # before anything slow: a refused run fails at once
+        self.notes = _claim_outputs(cfg) if self.lead else []
         latest = _latest(cfg) if cfg.resume else None  # a bad resume marker too
         data = Path(cfg.prompt_data)
         if not data.is_file():
@@ -349,7 +361,7 @@ class GRPOTrainer:
             lora.apply_lora(self.policy, self.lora_names, cfg.lora_rank, cfg.lora_alpha)
         # The rollout engine's own copy, synced after every update. With LoRA only the adapters are
         # copied: the frozen base is shared, as SGLang keeps its base in place and loads adapters.
-        self.rollout_side = rollout if rollout is not None else \
+        self.rollout_side = None if not self.lead else rollout if rollout is not None else \
             LocalRollout(self._copy_trainable(self.policy), cfg.backends)
         if hasattr(self.rollout_side, "bind"):  # a remote rollout that merges LoRA adapters needs the policy
             self.rollout_side.bind(self.policy)
@@ -357,10 +369,14 @@ class GRPOTrainer:
         self.reference = self._copy_trainable(self.policy).eval() if cfg.kl_loss_coef else None
         self.trainable = [p for p in self.policy.parameters() if p.requires_grad]
         self.optimizer = torch.optim.Adam(self.trainable, lr=cfg.lr)
+        if dp is not None:  # LoRA's random init (and anything else) equal on every rank, as DDP starts
+            dp.broadcast_parameters(self.trainable)
+            if self.rollout_side is not None:
+                self.sync()
         self.start_step, self.nonfinite_streak = 0, 0
         if latest is not None:
             self._resume(latest)
-        if cfg.resume:
+        if cfg.resume and self.lead:
             self.notes += _truncate_metrics(Path(cfg.metrics_out), self.start_step)
         self.stop_ids = [t for t in (self.tokenizer.eos_token_id,) if t is not None]
 
@@ -392,8 +408,9 @@ class GRPOTrainer:
         return {name: p.detach() for name, p in self.policy.named_parameters() if p.requires_grad}
 
     def sync(self):
-        """Trainer -> rollout side."""
-        self.rollout_side.load(self.trainable_state())
+        """Trainer -> rollout side (rank 0's, under data parallelism; the ranks' weights are equal)."""
+        if self.rollout_side is not None:
+            self.rollout_side.load(self.trainable_state())
 
     def batch_for(self, step: int):
         """The prompts of rollout `step`: a seeded walk over the shuffled data, so resume repeats it."""
@@ -403,6 +420,18 @@ class GRPOTrainer:
         return [self.samples[int(order[(start + i) % len(self.samples)])] for i in range(n)]
 
     def rollout(self, step: int):
+        """-> (samples, completions, rewards) of rollout `step`; under data parallelism rank 0 rolls out
+        and scores, and every rank receives the same completions and rewards."""
+        if self.dp is None:
+            return self._rollout(step)
+        from glmkit.rl.parallel import decode_rollout, encode_rollout
+
+        samples = [s for s in self.batch_for(step) for _ in range(self.cfg.n_samples_per_prompt)]
+        payload = encode_rollout(*self._rollout(step)[1:]) if self.lead else None
+        completions, rewards = decode_rollout(self.dp.broadcast_bytes(payload))
+        return samples, completions, rewards
+
+    def _rollout(self, step: int):
         from glmkit.model import SamplingParams
         from glmkit.rl.rewards import score
 
@@ -430,23 +459,52 @@ class GRPOTrainer:
         t0 = time.time()
         samples, completions, rewards = self.rollout(step)
         t_rollout = time.time() - t0
-        batch = self.build_batch(completions, rewards)
+        size = self.cfg.global_batch_size
+        minibatches = len(completions) // size
+        # this rank's samples of each optimizer step (all of them in one process), in batch order
+        shares = [list(range(mb * size, (mb + 1) * size)) for mb in range(minibatches)]
+        if self.dp is not None:
+            shares = [self.dp.share(ids) for ids in shares]
+        kept = [i for ids in shares for i in ids]
+        batch = self.build_batch(completions, rewards, kept)
         self.recompute(batch)
         t1 = time.time()
-        minibatches = len(completions) // self.cfg.global_batch_size
-        rows = [self.update(batch, step, mb, minibatches) for mb in range(minibatches)]
+        starts = [sum(map(len, shares[:mb])) for mb in range(minibatches)]
+        rows = [self.update(batch, step, mb, minibatches, list(range(start, start + len(ids))))
+                for mb, (start, ids) in enumerate(zip(starts, shares))]
+        t_sync = time.time()
         self.sync()
-        rows.append(self.rollout_metrics(step, batch, rewards, t0, t_rollout, time.time() - t1))
+        t_sync = time.time() - t_sync
+        rows.append(self.rollout_metrics(step, completions, rewards, t0, t_rollout, time.time() - t1, t_sync))
         return rows
 
-    def build_batch(self, completions, rewards) -> dict:
+    def build_batch(self, completions, rewards, kept: list | None = None) -> dict:
         """Packed sequences and what the updates need from the rollout: response mask, rollout
-        log-probs, routing and DSA selections (see _pack), per-token group advantages."""
-        input_ids, packed, mask, rollout_logp, routing, topk = self._pack(completions)
+        log-probs, routing and DSA selections (see _pack), per-token group advantages (over the
+        whole rollout's groups); `kept`: the completions (indices) this rank trains on, default all."""
         advantages = grpo.group_advantages(rewards, self.cfg.n_samples_per_prompt)
+        if kept is not None:
+            completions, advantages = [completions[i] for i in kept], advantages[kept]
+        input_ids, packed, mask, rollout_logp, routing, topk = self._pack(completions)
         return {"completions": completions, "input_ids": input_ids, "packed": packed, "mask": mask,
                 "rollout_logp": rollout_logp, "routing": routing, "topk": topk,
                 "adv_tok": advantages[packed.seq_index.cpu()]}
+
+    def _share_of_mean(self, values, mask, sample_of, num_samples):
+        """This rank's share of grpo.sample_mean over an optimizer step's samples: its samples' means
+        summed, over the count of samples on every rank (the whole mean in one process). A tensor: the
+        loss terms keep their graph."""
+        total, present = grpo.sample_sums(values, mask, sample_of, num_samples)
+        if self.dp is not None:
+            present = self.dp.sum(present)[0]
+        return total / present if present else total
+
+    def _sum(self, *values: float) -> list[float]:
+        """Values summed over the ranks (themselves in one process)."""
+        return list(values) if self.dp is None else self.dp.sum(*values)
+
+    def _mean(self, values, mask, sample_of, num_samples) -> float:
+        return self._sum(self._share_of_mean(values, mask, sample_of, num_samples).item())[0]
 
     @torch.no_grad()
     def recompute(self, batch: dict):
@@ -478,28 +536,31 @@ class GRPOTrainer:
         batch["topk_kinds"] = topk_row_kinds(old.topk, topk, scores, batch["mask"], self.policy.config.index_kpool,
                                              self.policy.dtype)
 
-    def update(self, batch: dict, step: int, mb: int, minibatches: int) -> dict:
-        """Optimizer step `mb` of rollout `step` over its global_batch_size samples -> its train row."""
+    def update(self, batch: dict, step: int, mb: int, minibatches: int, ids: list | None = None) -> dict:
+        """Optimizer step `mb` of rollout `step` over its global_batch_size samples -> its train row.
+        `ids`: this rank's samples of the step, as indices into `batch` (default: the step's all)."""
         cfg = self.cfg
         completions, packed = batch["completions"], batch["packed"]
         routing, topk = batch["routing"], batch["topk"]
-        ids = list(range(mb * cfg.global_batch_size, (mb + 1) * cfg.global_batch_size))
+        if ids is None:
+            ids = list(range(mb * cfg.global_batch_size, (mb + 1) * cfg.global_batch_size))
         sub_in, sub_packed, sub_mask, _, sub_routing, sub_topk = self._pack([completions[i] for i in ids])
         sub_rows = torch.cat([torch.arange(*packed.bounds()[i]) for i in ids])
         row = {"train/step": step * minibatches + mb, "rollout/step": step, "step": step}
         sub_of_cpu = sub_packed.seq_index.cpu()
-        row["train/train_rollout_logprob_abs_diff"] = grpo.sample_mean(
-            batch["abs_diff"][sub_rows], sub_mask, sub_of_cpu, len(ids)).item()
-        row["train/train_rollout_kl"] = grpo.sample_mean(batch["rollout_kl"][sub_rows], sub_mask, sub_of_cpu,
-                                                         len(ids)).item()
+        row["train/train_rollout_logprob_abs_diff"] = self._mean(batch["abs_diff"][sub_rows], sub_mask, sub_of_cpu,
+                                                                 len(ids))
+        row["train/train_rollout_kl"] = self._mean(batch["rollout_kl"][sub_rows], sub_mask, sub_of_cpu, len(ids))
         responses = int(sub_mask.sum())
         if batch["routing_differs"] is not None:
-            row["train/routing_mismatch_frac"] = (batch["routing_differs"][sub_rows][sub_mask].sum().item()
-                                                  / max(1, responses * len(routing)))
+            differs, rows_all = self._sum(batch["routing_differs"][sub_rows][sub_mask].sum().item(),
+                                          responses * len(routing))
+            row["train/routing_mismatch_frac"] = differs / max(1, rows_all)
         if batch["topk_kinds"] is not None:
-            differs, ties = (k[sub_rows][sub_mask].sum().item() for k in batch["topk_kinds"])
-            row["train/topk_mismatch_frac"] = differs / max(1, responses * len(topk))
-            row["train/topk_tie_frac"] = ties / max(1, responses * len(topk))
+            differs, ties, rows_all = self._sum(*(k[sub_rows][sub_mask].sum().item() for k in batch["topk_kinds"]),
+                                                responses * len(topk))
+            row["train/topk_mismatch_frac"] = differs / max(1, rows_all)
+            row["train/topk_tie_frac"] = ties / max(1, rows_all)
         out = self.train_path.forward(input_ids=sub_in, packed=sub_packed, return_entropy=True,
                                       temperature=cfg.rollout_temperature,
                                       routing=sub_routing if cfg.enable_r3 else None,
@@ -510,43 +571,47 @@ class GRPOTrainer:
         loss_tok, clipped, kl_tok = grpo.ppo_clip_loss(out.logprobs.float(), old_logp[sub_rows].to(m.device),
                                                       batch["adv_tok"][sub_rows].to(m.device), cfg.eps_clip,
                                                       cfg.eps_clip_high)
-        pg_loss = grpo.sample_mean(loss_tok, m, sub_of, len(ids))
-        entropy = grpo.sample_mean(out.entropy, m, sub_of, len(ids))  # of softmax(logits / T)
+        # each term is this rank's share of the step's mean (the mean itself in one process)
+        pg_loss = self._share_of_mean(loss_tok, m, sub_of, len(ids))
+        entropy = self._share_of_mean(out.entropy, m, sub_of, len(ids))  # of softmax(logits / T)
         loss = pg_loss - cfg.entropy_coef * entropy
-        row["train/entropy_loss"] = entropy.item()
+        row["train/entropy_loss"] = self._sum(entropy.item())[0]
         if self.reference is not None:
-            kl = grpo.sample_mean(grpo.kl_estimate(out.logprobs, batch["ref_logp"][sub_rows].to(m.device),
-                                                   cfg.kl_loss_type), m, sub_of, len(ids))
+            kl = self._share_of_mean(grpo.kl_estimate(out.logprobs, batch["ref_logp"][sub_rows].to(m.device),
+                                                      cfg.kl_loss_type), m, sub_of, len(ids))
             loss = loss + cfg.kl_loss_coef * kl
-            row["train/kl_loss"] = kl.item()
+            row["train/kl_loss"] = self._sum(kl.item())[0]
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        if self.dp is not None:
+            self.dp.sum_gradients(self.trainable)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, cfg.clip_grad)
-        row["train/pg_loss"] = pg_loss.item()
+        row["train/pg_loss"], total_loss = self._sum(pg_loss.item(), loss.item())
         row["train/grad_norm"] = grad_norm.item()
         if math.isfinite(row["train/pg_loss"]) and math.isfinite(row["train/grad_norm"]) and \
-                math.isfinite(loss.item()):
+                math.isfinite(total_loss):
             self.optimizer.step()
             self.nonfinite_streak = 0
         else:  # a NaN / Inf update would poison the weights and crash the next sampling
             self.optimizer.zero_grad(set_to_none=True)
             self.nonfinite_streak += 1
             row["train/step_skipped"] = True
-        row["train/pg_clipfrac"] = grpo.sample_mean(clipped, m, sub_of, len(ids)).item()
-        row["train/ppo_kl"] = grpo.sample_mean(kl_tok, m, sub_of, len(ids)).item()
+        row["train/pg_clipfrac"] = self._mean(clipped, m, sub_of, len(ids))
+        row["train/ppo_kl"] = self._mean(kl_tok, m, sub_of, len(ids))
         return row
 
-    def rollout_metrics(self, step: int, batch: dict, rewards, t0: float, t_rollout: float, t_train: float) -> dict:
-        """The rollout's `rollout/*` and `perf/*` row."""
-        completions = batch["completions"]
+    def rollout_metrics(self, step: int, completions, rewards, t0: float, t_rollout: float, t_train: float,
+                        t_sync: float = 0.0) -> dict:
+        """The rollout's `rollout/*` and `perf/*` row (over the whole rollout, on every rank)."""
         n = len(completions)
         lengths = torch.tensor([len(c.tokens) for c in completions], dtype=torch.float32)
-        tokens = int(batch["packed"].num_tokens)
+        tokens = sum(len(c.prompt) + len(c.tokens) for c in completions)
         summary = {"rollout/step": step, "step": step, "rollout/raw_reward": rewards.mean().item(),
                    "rollout/response_lengths": lengths.mean().item(),
                    "rollout/truncated": sum(c.finish_reason == "length" for c in completions) / n,
                    "perf/rollout_time": t_rollout, "perf/train_time": t_train,
-                   "perf/tokens_per_s": tokens / max(1e-9, t_rollout + t_train), "perf/step_time": time.time() - t0}
+                   "perf/tokens_per_s": tokens / max(1e-9, t_rollout + t_train), "perf/step_time": time.time() - t0,
+                   "perf/sync_time": t_sync}
         if self.policy.device.type == "cuda":
             summary["perf/max_memory_allocated_gib"] = torch.cuda.max_memory_allocated(self.policy.device) / 2**30
         return summary
@@ -557,24 +622,28 @@ class GRPOTrainer:
         `max_nonfinite_steps` optimizer steps in a row had a NaN / Inf loss or gradient."""
         cfg = self.cfg
         out = Path(cfg.metrics_out)
-        out.parent.mkdir(parents=True, exist_ok=True)
+        if self.lead:
+            out.parent.mkdir(parents=True, exist_ok=True)
         history = []
         steps = range(self.start_step, cfg.num_rollout)
-        bar = tqdm(steps, desc="GRPO", unit="rollout", disable=not cfg.progress)
-        with out.open("a") as stream:
+        bar = tqdm(steps, desc="GRPO", unit="rollout", disable=not (cfg.progress and self.lead))
+        # other data-parallel ranks compute the same rows and keep them; rank 0 alone writes them
+        with (out.open("a") if self.lead else contextlib.nullcontext()) as stream:
             for step in bar:
                 rows = self.step(step)
                 for row in rows:
                     row = json_row(row)
+                    history.append(row)
+                    if not self.lead:
+                        continue
                     stream.write(json.dumps(row, allow_nan=False) + "\n")
                     stream.flush()  # a crash loses nothing already measured
-                    history.append(row)
                     if on_metrics is not None:
                         on_metrics(row)
                 last_train = next((r for r in reversed(rows) if "train/step" in r), {})
                 bar.set_postfix(reward=f"{rows[-1]['rollout/raw_reward']:.3f}",
                                 diff=f"{last_train.get('train/train_rollout_logprob_abs_diff') or 0:.1e}")
-                if cfg.save_interval and (step + 1) % cfg.save_interval == 0:
+                if cfg.save_interval and (step + 1) % cfg.save_interval == 0 and self.lead:
                     _save_checkpoint(cfg, step, self.policy, self.optimizer, self.lora_names)
                 if self.nonfinite_streak >= cfg.max_nonfinite_steps:
                     raise NonFiniteRun(f"stopped after rollout {step}: {self.nonfinite_streak} optimizer steps in a row "
