@@ -20,7 +20,7 @@ PY = sys.executable
 
 @pytest.fixture(scope="module")
 def head():
-    head = LocalHead.start(num_cpus=2)
+    head = LocalHead.start(num_cpus=4)  # logical CPUs: 2 trainer ranks + 2 rollout actors get bundles of one
     yield head
     pgid = head.process.pid
     head.stop()
@@ -45,7 +45,7 @@ def tiny_fields(ckpt, out, **changes):
 def test_connect_and_inventory(head, client):
     nodes = inventory(head.dashboard)
     assert len(nodes) == 1 and nodes[0]["alive"] and nodes[0]["head"]
-    assert nodes[0]["cpus"] == 2 and nodes[0]["gpus"] == 0 and nodes[0]["gpu_type"] is None
+    assert nodes[0]["cpus"] == 4 and nodes[0]["gpus"] == 0 and nodes[0]["gpu_type"] is None
     assert head.dashboard.startswith("http://127.0.0.1:")
     with pytest.raises(ClusterUnreachable, match="nothing listens on 127.0.0.1:1"):
         connect("http://127.0.0.1:1", retries=1, delay=0.05)
@@ -78,6 +78,27 @@ def test_builtin_backend_on_ray_equals_the_in_process_run(client, tiny_ckpt, tmp
     # following again (a notebook restarted) adds nothing twice
     again = jobs.follow(client, job, metrics_out=tmp_path / "followed.jsonl", poll=0.1, timeout=30)
     assert again.ok and len(read_metrics(tmp_path / "followed.jsonl")) == 4
+
+
+def test_separate_data_parallel_trainers_and_a_weights_update_group(client, tiny_ckpt, tmp_path):
+    """Two trainer ranks and a rollout actor, each on a bundle of its own, in one gloo world: the
+    trainers are data-parallel (gradients all-reduced) and trainer 0 broadcasts the weights to the
+    rollout actors over the weights-update group after every update. The rows equal the in-process
+    run's to fp32 summation order (bounds as in test_parallel.py: rel 1e-4 / abs 1e-6); the rollout
+    after the first update is sampled from the broadcast weights, so its rows matching proves they
+    arrived. perf/sync_time is the broadcast's time."""
+    fields = tiny_fields(tiny_ckpt, tmp_path / "ray" / "metrics.jsonl")
+    result = jobs.follow(client, jobs.submit(client, jobs.builtin_entrypoint(fields, 1, python=PY, trainers=2),
+                                             "separate"), poll=0.5, timeout=600)
+    assert result.ok, result.summary()
+    local = GRPOTrainer(TrainConfig(**tiny_fields(tiny_ckpt, tmp_path / "local.jsonl"))).run()
+    assert len(result.rows) == len(local) == 4  # rank 0 alone prints rows
+    for ours, theirs in zip(result.rows, local):
+        keys = {k for k in theirs if not k.startswith("perf/")}
+        assert keys == {k for k in ours if not k.startswith("perf/")}
+        for k in keys:
+            assert ours[k] == pytest.approx(theirs[k], rel=1e-4, abs=1e-6), k
+    assert all(r["perf/sync_time"] > 0 for r in result.rows if "rollout/raw_reward" in r)
 
 
 def test_two_rollout_actors_split_the_prompts(client, tiny_ckpt, tmp_path):

@@ -1,22 +1,34 @@
 """The builtin backend: glmkit's own GRPO as Ray actors, submitted as a Ray job.
 
-    python -m glmkit.launch.builtin --config-json '{...TrainConfig fields...}' [--rollout-actors N] [--gpus]
+    python -m glmkit.launch.builtin --config-json '{...TrainConfig fields...}' [--rollout-actors R]
+                                    [--trainers N] [--gpus]
 
-The job's driver creates one placement group of N {CPU: 1} bundles ({GPU: 1, CPU: 1} with --gpus),
-PACK, as the recipe's framework does; rollout actor i sits on bundle i and the trainer actor on
-bundle 0 beside rollout actor 0 (colocated: 0.2 and 0.4 of the bundle's GPU, or of its CPU). The
-trainer is GRPOTrainer itself with its rollout side replaced by `RayRollout`: each rollout's prompts
-are split between the actors, and after every update the trainable tensors (the adapters, with
-LoRA) go to every actor through the object store, put once. Every metric row is printed to the
-job's log as one `GLMKIT_METRICS {json}` line (and appended to the trainer's metrics file), which
-`glmkit.launch.jobs.follow` turns back into rows. With one rollout actor the run is the in-process
-run of the same config, row for row.
+The job's driver creates one placement group, PACK, as the recipe's framework does, of {CPU: 1}
+bundles ({GPU: 1, CPU: 1} with --gpus). The trainer is GRPOTrainer itself with its rollout side
+replaced by `RayRollout`: each rollout's prompts are split between the rollout actors. Two layouts:
+- colocated (--trainers 0, the default): R bundles; rollout actor i on bundle i, the one trainer
+  actor on bundle 0 beside rollout actor 0 (0.2 and 0.4 of the bundle's GPU, or of its CPU); after
+  every update the trainable tensors go to every rollout actor through the object store, put once;
+- separate (--trainers N >= 1): N + R bundles, trainer rank i alone on bundle i, rollout actor j alone
+  on bundle N + j. All of them join one torch.distributed world (nccl with --gpus, gloo otherwise;
+  rendezvous at trainer 0's address) split into two groups: the N trainer ranks, a data-parallel
+  trainer (`glmkit.rl.parallel`: rank 0 rolls out, every rank trains its share, gradients summed by
+  all-reduce), and the weights-update group of trainer 0 and the rollout actors, over which trainer 0
+  broadcasts the trainable tensors after every update (as the framework's
+  `update_weights_from_distributed` does), never through the host's object store.
+Every metric row is printed to the job's log as one `GLMKIT_METRICS {json}` line (and appended to the
+trainer's metrics file), which `glmkit.launch.jobs.follow` turns back into rows. With one rollout
+actor the run is the in-process run of the same config, row for row (to fp32 summation order when
+trainers > 1). NVLink multicast stays off in every actor (the job's runtime env, and set again before
+a group starts).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import os
 import sys
 
 METRICS_PREFIX = "GLMKIT_METRICS "
@@ -55,12 +67,57 @@ class RolloutWorker:
         self.side.load(tensors)
         return len(tensors)
 
+    def join(self, master: str, world: int, rank: int, trainers: int, backend: str) -> str:
+        _, self.update_group = join_world(master, world, rank, trainers, backend)
+        return f"rollout rank {rank} of {world} ({backend})"
+
+    def receive(self, announced: list) -> int:
+        """The tensors trainer 0 broadcasts over the weights-update group, as announced [(name, dtype,
+        shape)], loaded into this actor's model."""
+        import torch
+        import torch.distributed as dist
+
+        device = _group_device(self.update_group)
+        tensors = {name: torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+                   for name, dtype, shape in announced}
+        for t in tensors.values():  # the announced order is the order trainer 0 sends in
+            dist.broadcast(t, src=0, group=self.update_group)
+        return self.load(tensors)
+
+
+def join_world(master: str, world: int, rank: int, trainers: int, backend: str):
+    """Join the run's torch.distributed world (trainer ranks 0..trainers-1, rollout actors after) ->
+    (the trainers' group, the weights-update group of trainer 0 and the rollout actors); every member
+    creates both groups, in this order, as torch requires."""
+    import torch
+    import torch.distributed as dist
+
+    from glmkit.launch.commands import NO_MULTICAST
+
+    os.environ.update(NO_MULTICAST)  # before NCCL reads its environment
+    if backend == "nccl":
+        torch.cuda.set_device(0)  # the one GPU Ray gave this actor
+    dist.init_process_group(backend, init_method=f"tcp://{master}", world_size=world, rank=rank,
+                            timeout=datetime.timedelta(seconds=600))
+    trainer_group = dist.new_group(list(range(trainers)))
+    update_group = dist.new_group([0, *range(trainers, world)])
+    return trainer_group, update_group
+
+
+def _group_device(group):
+    import torch
+    import torch.distributed as dist
+
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else \
+        torch.device("cpu")
+
 
 class RayRollout:
-    """GRPOTrainer's rollout side over rollout actors (same generate / load as LocalRollout)."""
+    """GRPOTrainer's rollout side over rollout actors (same generate / load as LocalRollout). With an
+    `update_group` (trainer 0 and the actors), load broadcasts the tensors over it."""
 
-    def __init__(self, actors: list, names: list[str]):
-        self.actors, self.names = actors, names
+    def __init__(self, actors: list, names: list[str], update_group=None):
+        self.actors, self.names, self.update_group = actors, names, update_group
 
     def _get(self, calls):
         """calls: [(actor name, object ref)] -> their results; a dead actor is named."""
@@ -85,8 +142,19 @@ class RayRollout:
     def load(self, tensors: dict):
         import ray
 
-        ref = ray.put({name: t.detach().cpu() for name, t in tensors.items()})
-        self._get([(name, actor.load.remote(ref)) for name, actor in zip(self.names, self.actors)])
+        if self.update_group is None:
+            ref = ray.put({name: t.detach().cpu() for name, t in tensors.items()})
+            self._get([(name, actor.load.remote(ref)) for name, actor in zip(self.names, self.actors)])
+            return
+        import torch.distributed as dist
+
+        device = _group_device(self.update_group)
+        ordered = [(name, t.detach().to(device).contiguous()) for name, t in tensors.items()]
+        announced = [(name, str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in ordered]
+        calls = [(name, actor.receive.remote(announced)) for name, actor in zip(self.names, self.actors)]
+        for _, t in ordered:
+            dist.broadcast(t, src=0, group=self.update_group)
+        self._get(calls)
 
 
 def _failed(ref) -> bool:
@@ -102,13 +170,37 @@ def _failed(ref) -> bool:
 
 
 class TrainerWorker:
-    """The trainer actor: GRPOTrainer with a RayRollout; prints every metric row to the job's log."""
+    """A trainer actor: GRPOTrainer with a RayRollout (rank 0; a data-parallel rank > 0 has no rollout
+    side); rank 0 prints every metric row to the job's log. `start` builds it, after joining the
+    world when the trainers are separate."""
 
     def __init__(self, fields: dict, actors: list, names: list[str]):
-        from glmkit.rl.loop import GRPOTrainer
+        self.fields, self.actors, self.names = fields, actors, names
 
-        self.trainer = GRPOTrainer(_config(fields), rollout=RayRollout(actors, names))
+    def address(self) -> str:
+        """host:port for the world's rendezvous: this actor's node address and a port free there."""
+        import socket
+
+        import ray
+
+        host = ray.util.get_node_ip_address()
+        with socket.socket() as s:
+            s.bind((host, 0))
+            return f"{host}:{s.getsockname()[1]}"
+
+    def start(self, master: str | None = None, world: int = 0, rank: int = 0, trainers: int = 0,
+              backend: str = "gloo") -> str:
+        from glmkit.rl.loop import GRPOTrainer
+        from glmkit.rl.parallel import DataParallel
+
+        dp, update_group = None, None
+        if master is not None:
+            trainer_group, update_group = join_world(master, world, rank, trainers, backend)
+            dp = DataParallel(trainer_group) if trainers > 1 else None
+        rollout = RayRollout(self.actors, self.names, update_group) if rank == 0 else None
+        self.trainer = GRPOTrainer(_config(self.fields), rollout=rollout, dp=dp)
         self.trainer.sync()  # the actors loaded the checkpoint: give them this trainer's starting adapters too
+        return f"trainer rank {rank}"
 
     def run(self) -> int:
         rows = self.trainer.run(on_metrics=lambda row: print(METRICS_PREFIX + json.dumps(row, allow_nan=False),
@@ -120,6 +212,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="glmkit's GRPO as Ray actors (a Ray job's entrypoint)")
     parser.add_argument("--config-json", required=True, help="TrainConfig fields as a JSON object")
     parser.add_argument("--rollout-actors", type=int, default=1)
+    parser.add_argument("--trainers", type=int, default=0,
+                        help="0: one trainer colocated with rollout actor 0; N: N data-parallel trainer ranks on "
+                             "bundles of their own, weights to the rollout actors over a process group")
     parser.add_argument("--gpus", action="store_true", help="bundles and actor shares are GPUs")
     args = parser.parse_args(argv)
     fields = json.loads(args.config_json)
@@ -128,15 +223,17 @@ def main(argv=None) -> int:
     fields["progress"] = False
     if args.rollout_actors < 1:
         raise SystemExit(f"--rollout-actors must be >= 1, got {args.rollout_actors}")
+    if args.trainers < 0:
+        raise SystemExit(f"--trainers must be >= 0, got {args.trainers}")
 
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     ray.init(logging_level="ERROR")
-    n = args.rollout_actors
+    n, separate = args.rollout_actors, args.trainers
     bundle = {"CPU": 1, "GPU": 1} if args.gpus else {"CPU": 1}
-    pg = placement_group([dict(bundle) for _ in range(n)], strategy="PACK", name="glmkit-grpo")
+    pg = placement_group([dict(bundle) for _ in range(separate + n)], strategy="PACK", name="glmkit-grpo")
     ray.get(pg.ready(), timeout=600)
 
     def share(fraction, index):
@@ -144,14 +241,25 @@ def main(argv=None) -> int:
         return dict(**resources, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index))
 
     names = [f"glmkit-rollout-{i}" for i in range(n)]
-    rollout_cls = ray.remote(RolloutWorker)
-    actors = [rollout_cls.options(name=names[i], **share(ROLLOUT_SHARE, i)).remote(fields) for i in range(n)]
-    trainer = ray.remote(TrainerWorker).options(name="glmkit-trainer", **share(TRAINER_SHARE, 0)).remote(
-        fields, actors, names)
+    rollout_cls, trainer_cls = ray.remote(RolloutWorker), ray.remote(TrainerWorker)
+    if not separate:
+        actors = [rollout_cls.options(name=names[i], **share(ROLLOUT_SHARE, i)).remote(fields) for i in range(n)]
+        trainers = [trainer_cls.options(name="glmkit-trainer", **share(TRAINER_SHARE, 0)).remote(fields, actors, names)]
+        starts = [trainers[0].start.remote()]
+    else:  # the world's rendezvous and the starts follow, inside the try below
+        actors = [rollout_cls.options(name=names[i], **share(1.0, separate + i)).remote(fields) for i in range(n)]
+        trainers = [trainer_cls.options(name=f"glmkit-trainer-{r}", **share(1.0, r)).remote(fields, actors, names)
+                    for r in range(separate)]
     try:
-        rows = ray.get(trainer.run.remote())
+        if separate:
+            world, backend = separate + n, "nccl" if args.gpus else "gloo"
+            master = ray.get(trainers[0].address.remote())
+            starts = [t.start.remote(master, world, r, separate, backend) for r, t in enumerate(trainers)]
+            starts += [a.join.remote(master, world, separate + i, separate, backend) for i, a in enumerate(actors)]
+        ray.get(starts)
+        rows = ray.get([t.run.remote() for t in trainers])[0]
     except ray.exceptions.RayActorError as err:
-        print(f"the trainer actor glmkit-trainer died: {str(err).splitlines()[0]}", file=sys.stderr, flush=True)
+        print(f"an actor of the run died: {str(err).splitlines()[0]}", file=sys.stderr, flush=True)
         return 1
     except ray.exceptions.RayTaskError as err:
         print(f"the run failed in the trainer actor: {str(err.cause) if err.cause else err}", file=sys.stderr,

@@ -66,10 +66,13 @@ class JobResult:
         return f"job {self.job_id} {self.status.lower()}: {self.message}\n--- last lines of its log ---\n{self.log_tail}"
 
 
-def builtin_entrypoint(fields: dict, rollout_actors: int = 1, gpus: bool = False, python: str = "python3") -> str:
-    """The Ray job entrypoint of the builtin backend for TrainConfig `fields`."""
+def builtin_entrypoint(fields: dict, rollout_actors: int = 1, gpus: bool = False, python: str = "python3",
+                       trainers: int = 0) -> str:
+    """The Ray job entrypoint of the builtin backend for TrainConfig `fields` (trainers: 0 = one trainer
+    colocated with the first rollout actor; N = N data-parallel trainer ranks on their own bundles)."""
     argv = [python, "-m", "glmkit.launch.builtin", "--config-json", json.dumps(fields, sort_keys=True),
-            "--rollout-actors", str(rollout_actors)] + (["--gpus"] if gpus else [])
+            "--rollout-actors", str(rollout_actors)] + (["--trainers", str(trainers)] if trainers else []) + \
+        (["--gpus"] if gpus else [])
     return " ".join(shlex.quote(a) for a in argv)
 
 

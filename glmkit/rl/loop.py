@@ -370,9 +370,7 @@ class GRPOTrainer:
         self.trainable = [p for p in self.policy.parameters() if p.requires_grad]
         self.optimizer = torch.optim.Adam(self.trainable, lr=cfg.lr)
         if dp is not None:  # LoRA's random init (and anything else) equal on every rank, as DDP starts
-            dp.broadcast_parameters(self.trainable)
-            if self.rollout_side is not None:
-                self.sync()
+            dp.broadcast_parameters(self.trainable)  # rank 0's are the source: its rollout copy is current
         self.start_step, self.nonfinite_streak = 0, 0
         if latest is not None:
             self._resume(latest)
