@@ -43,6 +43,13 @@ def _positive(text: str) -> int:
     return value
 
 
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def _dtype(name: str):
     import torch
 
@@ -349,22 +356,23 @@ def _launch_builtin(args) -> int:
 
     TrainConfig(**fields).resolved()  # a bad config fails here, before any cluster work
     if args.dry_run:
-        print(jobs.builtin_entrypoint(fields, args.rollout_actors))
+        print(jobs.builtin_entrypoint(fields, args.rollout_actors, args.device == "cuda", trainers=args.trainers))
         return 0
     head = LocalHead.start() if args.local_head else None
     try:
         address = head.dashboard if head else args.address
         nodes = inventory(address)
         free = sum(n["gpus"] if args.device == "cuda" else n["cpus"] for n in nodes if n["alive"])
-        if free < args.rollout_actors:
-            raise ValueError(f"{args.rollout_actors} rollout actors need {args.rollout_actors} "
-                             f"{'GPU' if args.device == 'cuda' else 'CPU'} bundles; the cluster has {free}")
+        bundles = args.rollout_actors + args.trainers
+        if free < bundles:
+            raise ValueError(f"{args.rollout_actors} rollout actors and {args.trainers} separate trainers need "
+                             f"{bundles} {'GPU' if args.device == 'cuda' else 'CPU'} bundles; the cluster has {free}")
         client = connect(address)
         job = jobs.find_job(client, args.run_name) if args.reattach else None
         if job is None:
             python = jobs.local_python() if head else "python3"
-            job = jobs.submit(client, jobs.builtin_entrypoint(fields, args.rollout_actors, args.device == "cuda", python),
-                              args.run_name)
+            job = jobs.submit(client, jobs.builtin_entrypoint(fields, args.rollout_actors, args.device == "cuda", python,
+                                                              trainers=args.trainers), args.run_name)
             print(f"submitted {job}")
         else:
             print(f"re-attached to {job}")
@@ -586,6 +594,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n-samples-per-prompt", type=_positive, default=8)
     p.add_argument("--global-batch-size", type=_positive)
     p.add_argument("--rollout-actors", type=_positive, default=1)
+    p.add_argument("--trainers", type=_non_negative, default=0,
+                   help="builtin: 0 = one trainer beside the first rollout actor; N = N data-parallel trainer ranks "
+                        "on bundles (GPUs) of their own, weights to the rollout actors over a process group")
     p.add_argument("--lora-rank", type=int, default=0)
     p.add_argument("--device", default="cpu", choices=DEVICES)
     p.add_argument("--dtype", default="float32", choices=list(DTYPES))
