@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from glmkit.model.rollout import Completion
-from glmkit.rl.parallel import decode_rollout, encode_rollout, share
+from glmkit.rl.parallel import _buckets, decode_rollout, encode_rollout, share
 
 NOISE = ("train/train_rollout_logprob_abs_diff", "train/train_rollout_kl")
 
@@ -115,3 +115,10 @@ def test_shares_cover_every_sample_once_in_order():
             parts = [share(list(range(n)), rank, world) for rank in range(world)]
             assert [i for part in parts for i in part] == list(range(n))
             assert max(map(len, parts)) - min(map(len, parts)) <= 1
+
+
+def test_gradient_buckets_keep_order_dtype_and_size():
+    grads = [torch.zeros(10), torch.zeros(20), torch.zeros(5, dtype=torch.bfloat16), torch.zeros(100), torch.zeros(3)]
+    buckets = _buckets(grads, bucket_bytes=128)  # 32 floats
+    assert [[g.numel() for g in b] for b in buckets] == [[10, 20], [5], [100], [3]]
+    assert [g for b in buckets for g in b] == grads and all(len({g.dtype for g in b}) == 1 for b in buckets)

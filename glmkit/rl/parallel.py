@@ -28,6 +28,7 @@ import torch.distributed as dist
 from glmkit.launch.commands import NO_MULTICAST
 
 BACKENDS = ("gloo", "nccl")
+BUCKET_BYTES = 256 << 20  # per gradient all-reduce: few calls, and little memory next to the gradients
 
 
 class DataParallel:
@@ -69,20 +70,20 @@ class DataParallel:
         dist.all_reduce(t, group=self.group)
         return t.tolist()
 
-    def sum_gradients(self, params: list) -> None:
-        """Every parameter's gradient summed over the ranks, in place. A parameter without a gradient on
-        this rank (an expert its tokens never reached) takes part as zeros, so that every rank reduces the
-        same buffers."""
-        by_dtype: dict = {}
+    def sum_gradients(self, params: list, bucket_bytes: int = BUCKET_BYTES) -> None:
+        """Every parameter's gradient summed over the ranks, in place: one all-reduce per bucket of
+        gradients of one dtype (flattened together, at most `bucket_bytes` unless one gradient is larger),
+        as DDP buckets them, so the extra memory is one bucket, not a copy of every gradient. A parameter
+        without a gradient on this rank (an expert its tokens never reached) takes part as zeros, so that
+        every rank reduces the same buffers."""
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            by_dtype.setdefault(p.grad.dtype, []).append(p.grad)
-        for grads in by_dtype.values():
-            flat = torch.cat([g.reshape(-1) for g in grads]).to(self.device)
+        for bucket in _buckets([p.grad for p in params], bucket_bytes):
+            flat = torch.cat([g.reshape(-1) for g in bucket]).to(self.device)
             dist.all_reduce(flat, group=self.group)
             offset = 0
-            for g in grads:
+            for g in bucket:
                 g.copy_(flat[offset:offset + g.numel()].view_as(g))
                 offset += g.numel()
 
@@ -109,6 +110,19 @@ class DataParallel:
     def close(self):
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _buckets(tensors: list, bucket_bytes: int) -> list[list]:
+    """Consecutive runs of same-dtype tensors of at most `bucket_bytes` together (a larger tensor alone)."""
+    buckets, size = [], 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if not buckets or buckets[-1][0].dtype != t.dtype or size + nbytes > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(t)
+        size += nbytes
+    return buckets
 
 
 def share(ids: list, rank: int, world: int) -> list:
