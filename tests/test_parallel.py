@@ -84,6 +84,18 @@ def test_data_parallel_without_a_launcher_says_what_is_missing(tmp_path):
     assert not (tmp_path / "m.jsonl").exists()
 
 
+def test_more_ranks_than_samples_per_step_is_refused(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-addr",
+                          "127.0.0.1", "--master-port", str(free_port()), "-m", "glmkit", "train", "--model-name",
+                          "tiny", "--num-rollout", "1", "--rollout-batch-size", "1", "--n-samples-per-prompt", "2",
+                          "--global-batch-size", "2", "--data-parallel", "gloo", "--metrics-out",
+                          str(tmp_path / "m.jsonl")], capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0
+    assert "3 data-parallel ranks need at least as many samples per optimizer step; --global-batch-size is 2" \
+        in out.stderr
+    assert not (tmp_path / "m.jsonl").exists()
+
+
 def test_rollout_buffer_round_trips_exactly_and_refuses_garbage():
     completions = [
         Completion(prompt=[1, 2, 3], tokens=[4, 5], logprobs=[-0.1234567891234, -2.5], finish_reason="stop",

@@ -336,6 +336,9 @@ class GRPOTrainer:
             from glmkit.rl.parallel import DataParallel
 
             dp = DataParallel.from_env(cfg.data_parallel)
+        if dp is not None and dp.world > cfg.global_batch_size:
+            raise ValueError(f"{dp.world} data-parallel ranks need at least as many samples per optimizer step; "
+                             f"--global-batch-size is {cfg.global_batch_size}")
         self.dp = dp
         self.lead = dp is None or dp.rank == 0  # the rank that rolls out, writes and syncs
         # before anything slow: a refused run fails at once
