@@ -358,7 +358,8 @@ def _launch_builtin(args) -> int:
     if args.dry_run:
         print(jobs.builtin_entrypoint(fields, args.rollout_actors, args.device == "cuda", trainers=args.trainers))
         return 0
-    head = LocalHead.start() if args.local_head else None
+    # a local head advertises a logical CPU per bundle the run asks for (a smoke run, not a benchmark)
+    head = LocalHead.start(num_cpus=max(2, args.rollout_actors + args.trainers)) if args.local_head else None
     try:
         address = head.dashboard if head else args.address
         nodes = inventory(address)
