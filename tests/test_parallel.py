@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import glob
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -77,7 +78,7 @@ def test_data_parallel_without_a_launcher_says_what_is_missing(tmp_path):
     out = subprocess.run([sys.executable, "-m", "glmkit", "train", "--model-name", "tiny", "--num-rollout", "1",
                           "--data-parallel", "gloo", "--metrics-out", str(tmp_path / "m.jsonl")],
                          capture_output=True, text=True, timeout=300,
-                         env={k: v for k, v in __import__("os").environ.items()
+                         env={k: v for k, v in os.environ.items()
                               if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")})
     assert out.returncode != 0
     assert "missing RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT" in out.stderr
