@@ -9,7 +9,7 @@ with `dp=`):
 - every optimizer step's samples are split between the ranks in order (`share`); a rank runs the train
   path on its share only, and its loss is its share of the global mean: each sample's token mean summed
   over its own samples, divided by the count of samples over all ranks. The gradients summed over the
-  ranks are then the one-process gradients: one all-reduce (flattened, per dtype) sums them, and every
+  ranks are then the one-process gradients: all-reduces over flattened buckets sum them, and every
   rank clips and steps its optimizer on the same numbers, so the weights stay equal (rank 0's weights
   are broadcast once at the start, as DDP does);
 - metrics are reduced the same way (sums over ranks), so every rank reports the one-process numbers;
