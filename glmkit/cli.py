@@ -36,18 +36,19 @@ def _backend_arguments(p):
                    help="fused elementwise kernels (torch.compile): auto (on CUDA), on, off (eager reference)")
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+def _int_at_least(least: int, name: str):
+    """An argparse type: an int >= `least` (`name` is what argparse calls a value it cannot parse)."""
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < least:
+            raise argparse.ArgumentTypeError(f"must be >= {least}, got {value}")
+        return value
+    parse.__name__ = name
+    return parse
 
 
-def _non_negative(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
+_positive = _int_at_least(1, "positive integer")
+_non_negative = _int_at_least(0, "non-negative integer")
 
 
 def _dtype(name: str):

@@ -3,7 +3,7 @@ gloo on loopback, train as the one-process trainer does on the same seed.
 
 Tolerances: both runs roll out the same completions (rank 0 samples with the one process's seed and
 weights), and the two ranks' gradients, summed by all-reduce, are the one process's up to fp32
-summation order; so metrics agree to fp32 rounding (grad norm measured 3e-6 relative: bound 1e-4;
+summation order; so metrics agree to fp32 rounding (grad norm measured <= 5e-6 relative: bound 1e-4;
 losses ~1e-7 absolute on values of ~1e-3: bound 1e-6 + 1e-4 relative). The weights after 8 Adam steps:
 relative RMS 3.0e-6 measured, bound 1e-4; a single element can differ by up to 2 x lr per step where
 its gradient is rounding noise (Adam divides by its own scale): bound 2 x 2e-4 x 8 = 3.2e-3, measured
@@ -61,7 +61,7 @@ def test_two_gloo_ranks_train_as_one_process(tmp_path):
             bound = 1e-6 if key in NOISE else 1e-6 + 1e-4 * abs(want)
             assert abs(b[key] - want) <= bound, (key, want, b[key])
     assert sum(r.get("train/grad_norm", 0) > 0 for r in two) >= 4  # the steps did train
-    assert all(r["perf/sync_time"] >= 0 for r in two if "perf/sync_time" in r)
+    assert all("perf/sync_time" in r for r in two if "rollout/raw_reward" in r)
 
     from glmkit.checkpoint import open_checkpoint
 

@@ -77,7 +77,9 @@ class RolloutWorker:
         import torch
         import torch.distributed as dist
 
-        device = _group_device(self.update_group)
+        from glmkit.rl.parallel import collective_device
+
+        device = collective_device(self.update_group)
         tensors = {name: torch.empty(shape, dtype=getattr(torch, dtype), device=device)
                    for name, dtype, shape in announced}
         for t in tensors.values():  # the announced order is the order trainer 0 sends in
@@ -102,14 +104,6 @@ def join_world(master: str, world: int, rank: int, trainers: int, backend: str):
     trainer_group = dist.new_group(list(range(trainers)))
     update_group = dist.new_group([0, *range(trainers, world)])
     return trainer_group, update_group
-
-
-def _group_device(group):
-    import torch
-    import torch.distributed as dist
-
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else \
-        torch.device("cpu")
 
 
 class RayRollout:
@@ -148,7 +142,9 @@ class RayRollout:
             return
         import torch.distributed as dist
 
-        device = _group_device(self.update_group)
+        from glmkit.rl.parallel import collective_device
+
+        device = collective_device(self.update_group)
         ordered = [(name, t.detach().to(device).contiguous()) for name, t in tensors.items()]
         announced = [(name, str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in ordered]
         calls = [(name, actor.receive.remote(announced)) for name, actor in zip(self.names, self.actors)]

@@ -168,7 +168,7 @@ class RolloutEngine:
         capacity = max(len(p) for p in prompts) + params.max_new_tokens
         wanted = _recorded_sites(record_routing, record_topk)
         done = _new_completions(prompts, wanted)
-        batch, logits = self.prefill(prompts, capacity, record=_prefill_recorder(done, prompts, wanted))
+        batch, logits = self.prefill(prompts, capacity, record=_pieces_recorder(done, prompts, wanted, packed_ids=True))
         if graphs is None:
             graphs = self.can_graph() and params.max_new_tokens > GRAPH_MIN_STEPS
         graph = None
@@ -308,7 +308,7 @@ class SlotBatch:
             return None
         into = [s for s, o in enumerate(self.owner) if o is None][:len(prompts)]
         batch, logits = self.engine.prefill(prompts, self.capacity, all_logits=prompt_logits,
-                                            record=_prefill_recorder(completions, prompts, self.wanted))
+                                            record=_pieces_recorder(completions, prompts, self.wanted, packed_ids=True))
         every_row = logits if prompt_logits else None
         if prompt_logits:  # the last row of each prompt predicts its first new token
             logits = logits[torch.tensor(list(itertools.accumulate(len(p) for p in prompts))) - 1]
@@ -348,7 +348,7 @@ class SlotBatch:
             budget -= n
         if not chunks:
             return
-        record = _chunk_recorder([j.completion for j in going], chunks, self.wanted)
+        record = _pieces_recorder([j.completion for j in going], chunks, self.wanted, packed_ids=False)
         logits = self.engine.extend(self.staging, chunks, slots=[j.row for j in going], record=record)
         ready = []
         for i, (j, chunk) in enumerate(zip(going, chunks)):
@@ -466,38 +466,23 @@ def _new_completions(prompts, wanted: dict) -> list:
                        topk={} if "topk" in wanted.values() else None) for p in prompts]
 
 
-def _prefill_recorder(completions, prompts, wanted: dict):
-    """`record` for a prefill of `prompts` (packed in order): each completion keeps its own rows of the
-    recorded sites, DSA selections as positions in the request. None when nothing is recorded."""
+def _pieces_recorder(completions, pieces, wanted: dict, packed_ids: bool):
+    """`record` for one forward over `pieces` packed in order (whole prompts in a prefill, or one
+    round's chunks of them): each completion appends its piece's rows of the recorded sites, DSA
+    selections as positions in the request (`packed_ids`: a prefill records packed ids; a chunk
+    already records positions). None when nothing is recorded."""
     if not wanted:
         return None
-    starts = [0, *itertools.accumulate(len(p) for p in prompts)]
+    starts = [0, *itertools.accumulate(len(p) for p in pieces)]
 
     def record(layer, site, value):
         if site in wanted:
             host = value.cpu()  # one device-to-host copy per layer, not one per request
             for j, c in enumerate(completions):
                 rows = host[starts[j]:starts[j + 1]]
-                if site == "indexer_topk":  # packed ids -> positions in the request
-                    rows = torch.where(rows >= 0, rows - starts[j], rows).to(torch.int32)
-                getattr(c, wanted[site])[layer] = [rows]
-    return record
-
-
-def _chunk_recorder(completions, chunks, wanted: dict):
-    """`record` for one round of chunked prefill: each completion appends its chunk's rows of the
-    recorded sites (DSA selections are already positions in the request). None when nothing is recorded."""
-    if not wanted:
-        return None
-    starts = [0, *itertools.accumulate(len(c) for c in chunks)]
-
-    def record(layer, site, value):
-        if site in wanted:
-            host = value.cpu()
-            if site == "indexer_topk":
-                host = host.to(torch.int32)
-            for j, c in enumerate(completions):
-                getattr(c, wanted[site]).setdefault(layer, []).append(host[starts[j]:starts[j + 1]])
+                if site == "indexer_topk":
+                    rows = (torch.where(rows >= 0, rows - starts[j], rows) if packed_ids else rows).to(torch.int32)
+                getattr(c, wanted[site]).setdefault(layer, []).append(rows)
     return record
 
 

@@ -427,10 +427,12 @@ class GRPOTrainer:
             return self._rollout(step)
         from glmkit.rl.parallel import decode_rollout, encode_rollout
 
+        if self.lead:
+            samples, completions, rewards = self._rollout(step)
+            self.dp.broadcast_bytes(encode_rollout(completions, rewards))
+            return samples, completions, rewards
         samples = [s for s in self.batch_for(step) for _ in range(self.cfg.n_samples_per_prompt)]
-        payload = encode_rollout(*self._rollout(step)[1:]) if self.lead else None
-        completions, rewards = decode_rollout(self.dp.broadcast_bytes(payload))
-        return samples, completions, rewards
+        return samples, *decode_rollout(self.dp.broadcast_bytes(None))
 
     def _rollout(self, step: int):
         from glmkit.model import SamplingParams
@@ -495,9 +497,10 @@ class GRPOTrainer:
         """This rank's share of grpo.sample_mean over an optimizer step's samples: its samples' means
         summed, over the count of samples on every rank (the whole mean in one process). A tensor: the
         loss terms keep their graph."""
+        if self.dp is None:
+            return grpo.sample_mean(values, mask, sample_of, num_samples)
         total, present = grpo.sample_sums(values, mask, sample_of, num_samples)
-        if self.dp is not None:
-            present = self.dp.sum(present)[0]
+        present = self.dp.sum(present)[0]
         return total / present if present else total
 
     def _sum(self, *values: float) -> list[float]:

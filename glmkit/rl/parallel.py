@@ -37,9 +37,7 @@ class DataParallel:
     def __init__(self, group=None):
         self.group = group
         self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
-        self.backend = dist.get_backend(group)
-        # where collectives run: NCCL only moves CUDA tensors
-        self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+        self.device = collective_device(group)
 
     @classmethod
     def from_env(cls, backend: str, timeout_s: float = 600.0) -> "DataParallel":
@@ -51,8 +49,7 @@ class DataParallel:
         if missing:
             raise ValueError(f"--data-parallel needs a launcher's environment (torchrun sets it); missing "
                              f"{', '.join(missing)}")
-        for key, value in NO_MULTICAST.items():
-            os.environ[key] = value
+        os.environ.update(NO_MULTICAST)  # before NCCL reads its environment
         if backend == "nccl":
             if not torch.cuda.is_available():
                 raise ValueError("--data-parallel nccl needs CUDA; this machine has none (use gloo)")
@@ -110,6 +107,13 @@ class DataParallel:
     def close(self):
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def collective_device(group=None) -> torch.device:
+    """Where a group's collectives take their tensors: NCCL moves only CUDA tensors, gloo host ones."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _buckets(tensors: list, bucket_bytes: int) -> list[list]:
