@@ -226,6 +226,54 @@ def test_fused_elementwise_bf16_is_as_close_to_fp32_as_eager():
         assert fused <= 1.5 * eager + 1e-3, name
 
 
+def test_sinkhorn_triton_matches_the_loop_and_is_one_launch_in_a_fused_mhc_site():
+    """The Triton Sinkhorn against the torch loop in fp32 on CUDA (values 1e-6 absolute, gradients
+    1e-5 relative: the same fp32 math in another summation order), and a fused mHC entry on CUDA
+    (fuse=on, inductor) launching it once forward and once backward, with the eager entry's values and
+    gradients (1e-4 relative: inductor also reorders the norm and the mixing GEMM's reductions)."""
+    from glmkit.kernels import fuse
+    from glmkit.kernels.mhc import naive, sinkhorn_triton
+    from glmkit.model import mhc
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    comb = torch.softmax(2 * torch.randn(8192, 4, 4, generator=g, device="cuda"), -1) + 1e-6
+    grad = torch.randn(comb.shape, generator=g, device="cuda")
+    outs, grads = [], []
+    for fn in (naive.sinkhorn, sinkhorn_triton.sinkhorn):
+        x = comb.clone().requires_grad_()
+        y = fn(x, 20, 1e-6)
+        y.backward(grad)
+        outs.append(y.detach())
+        grads.append(x.grad)
+    print(f"sinkhorn triton vs loop: max |y| diff {(outs[0] - outs[1]).abs().max():.1e}, "
+          f"grad rel RMS {rel_rms(grads[0], grads[1]):.1e}")
+    assert (outs[0] - outs[1]).abs().max() < 1e-6 and rel_rms(grads[0], grads[1]) < 1e-5
+
+    n, D, T = 4, 256, 1024
+    r = lambda *s: torch.randn(*s, generator=g, device="cuda")  # noqa: E731
+    params = [r(T, n, D), r(2 * n + n * n, n * D) * (n * D) ** -0.5, 0.1 * r(2 * n + n * n),
+              torch.rand(3, generator=g, device="cuda"), 1 + 0.1 * r(D)]
+
+    def site(entry):
+        leaves = [p.clone().requires_grad_() for p in params]
+        streams, fn, base, scale, norm_weight = leaves
+        x, pre, post, comb_out = entry(streams, fn, base, scale, 20, 1e-6, 1e-6, norm_weight, 1e-6)
+        (x.sum() + pre.sum() + (post * comb_out.sum(-1)).sum()).backward()
+        return [x.detach(), pre.detach(), post.detach(), comb_out.detach()] + [p.grad for p in leaves]
+
+    want = site(mhc.enter.eager)
+    with fuse.fusing("on"):
+        site(mhc.enter)  # compile and warm
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            got = site(mhc.enter)
+            torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert sum("_sinkhorn_fwd_kernel" in k for k in kernels) == 1, kernels
+    assert sum("_sinkhorn_bwd_kernel" in k for k in kernels) == 1, kernels
+    for i, (a, b) in enumerate(zip(want, got)):
+        assert rel_rms(a, b) < 1e-4, (i, rel_rms(a, b))
+
+
 @pytest.mark.parametrize("kda", ["torch", "fla"])
 def test_graphed_decode_step_gives_the_eager_steps_logits_and_tokens(kda):
     """GraphedStep (one CUDA graph per decode batch) against RolloutEngine.step on a copy of the same

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from glmkit.kernels.fuse import fusable
+from glmkit.kernels.mhc import sinkhorn  # the torch loop; one Triton kernel in a fused region on CUDA
 from glmkit.model.norms import rms_norm, unweighted_rms_norm
 
 
@@ -30,15 +31,6 @@ def mix_weights(streams, fn, base, scale, sinkhorn_iters: int, hc_eps: float, no
     comb = torch.softmax(y_comb.unflatten(-1, (n, n)) * scale[2] + b_comb.view(n, n), dim=-1) + hc_eps
     comb = sinkhorn(comb, sinkhorn_iters, hc_eps)
     return pre, post, comb
-
-
-def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """Column-normalise once, then (iters - 1) x (rows, columns): the reference's order."""
-    comb = comb / (comb.sum(-2, keepdim=True) + eps)
-    for _ in range(iters - 1):
-        comb = comb / (comb.sum(-1, keepdim=True) + eps)
-        comb = comb / (comb.sum(-2, keepdim=True) + eps)
-    return comb
 
 
 def collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
