@@ -1,20 +1,30 @@
-"""One trainer process against N data-parallel ranks (torchrun) on the same seed: time and metrics.
+"""One trainer process against N data-parallel ranks (torchrun), or against the builtin backend's
+separate layout (N trainer ranks and a rollout actor as Ray actors), on the same seed: time and metrics.
 
     python benchmarks/bench_data_parallel.py [--ranks 2] [--backend gloo|nccl] [--out FILE.json] \
         -- [glmkit train arguments, e.g. --model-name tiny --num-rollout 4]
+    python benchmarks/bench_data_parallel.py --layout separate [--ranks 1] [--gpus [--bundle-gpu 0.5]] -- ...
 
-Runs `glmkit train` once in one process and once as `torchrun --nproc-per-node N ... --data-parallel
-BACKEND` (on GPUs: `--backend nccl --device cuda`, one GPU a rank), then prints for both the mean
-`perf/step_time` and `perf/sync_time` per rollout, the mean of the recipe's four headline metrics
-(`train/train_rollout_logprob_abs_diff`, `rollout/raw_reward`, `train/grad_norm`, `train/ppo_kl`),
-and the largest difference of every train/* and rollout/* metric between the two runs (the same run,
-up to summation order in fp32; bf16 rounds the all-reduced gradients once more).
+data-parallel (default): `glmkit train` once in one process and once as `torchrun --nproc-per-node N
+... --data-parallel BACKEND` (on GPUs: `--backend nccl --device cuda`, one GPU a rank; gloo lets the
+ranks share one GPU, their gradients summed through the host).
+separate: the job entrypoint of `glmkit launch --backend builtin --trainers N` (`python -m
+glmkit.launch.builtin`, a Ray instance of its own on this machine) with the same TrainConfig: N
+trainer ranks and one rollout actor on bundles of their own, weights broadcast over a weights-update
+group (nccl; gloo when `--bundle-gpu` below 1 packs the bundles on shared GPUs).
+Prints for both runs the mean `perf/step_time` and `perf/sync_time` per rollout, the mean of the
+recipe's four headline metrics (`train/train_rollout_logprob_abs_diff`, `rollout/raw_reward`,
+`train/grad_norm`, `train/ppo_kl`), and the largest difference of every train/* and rollout/* metric
+between the two (the same run, up to summation order in fp32; bf16 rounds the all-reduced gradients
+once more, and atomic adds in the GPU kernels differ run to run).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import shlex
 import socket
 import statistics
 import subprocess
@@ -23,22 +33,44 @@ import tempfile
 import time
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
 HEADLINE = ("train/train_rollout_logprob_abs_diff", "rollout/raw_reward", "train/grad_norm", "train/ppo_kl")
 
 
-def run(train_args: list, metrics: Path, ranks: int, backend: str) -> float:
+def run(train_args: list, metrics: Path, ranks: int, backend: str, layout: str = "data-parallel",
+        bundle_gpu: float | None = None) -> float:
     command = [sys.executable, "-m", "glmkit", "train", *train_args, "--metrics-out", str(metrics)]
-    if ranks > 1:
+    if layout == "separate" and ranks:
+        command = separate_command(train_args, metrics, ranks, bundle_gpu)
+    elif ranks > 1:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-addr",
                    "127.0.0.1", "--master-port", str(port), *command[1:], "--data-parallel", backend]
     start = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True)
+    # the Ray actors of the separate layout import glmkit too: from this checkout, wherever they start
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(command)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
     return time.perf_counter() - start
+
+
+def separate_command(train_args: list, metrics: Path, trainers: int, bundle_gpu: float | None) -> list:
+    """The builtin backend's job entrypoint for the TrainConfig these `glmkit train` arguments make."""
+    import dataclasses
+
+    from glmkit.cli import _train_config, build_parser
+    from glmkit.launch import jobs
+
+    cfg = _train_config(build_parser().parse_args(["train", *train_args, "--metrics-out", str(metrics)]))
+    fields = {**dataclasses.asdict(cfg), "overwrite": True}
+    gpus = bundle_gpu is not None
+    return shlex.split(jobs.builtin_entrypoint(fields, 1, gpus, sys.executable, trainers=trainers,
+                                               bundle_gpu=bundle_gpu or 1.0))
 
 
 def summary(rows: list) -> dict:
@@ -53,16 +85,21 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--backend", default="gloo", choices=("gloo", "nccl"))
+    parser.add_argument("--layout", default="data-parallel", choices=("data-parallel", "separate"))
+    parser.add_argument("--gpus", action="store_true", help="separate: the bundles are GPUs")
+    parser.add_argument("--bundle-gpu", type=float, default=1.0, help="separate, --gpus: the GPU a bundle holds")
     parser.add_argument("--out", default=None)
     parser.add_argument("train_args", nargs="*", help="glmkit train arguments (after --)")
     args = parser.parse_args(argv)
     train_args = args.train_args or ["--model-name", "tiny", "--num-rollout", "4"]
     with tempfile.TemporaryDirectory() as tmp:
-        result = {"command": " ".join(sys.argv), "ranks": args.ranks, "backend": args.backend, "runs": {}}
+        result = {"command": " ".join(sys.argv), "layout": args.layout, "ranks": args.ranks, "backend": args.backend,
+                  "runs": {}}
         rows = {}
-        for name, ranks in (("one process", 1), (f"{args.ranks} ranks", args.ranks)):
+        other = f"{args.ranks} ranks" if args.layout == "data-parallel" else f"separate, {args.ranks} trainer(s)"
+        for name, ranks in (("one process", 0), (other, args.ranks)):
             metrics = Path(tmp) / f"{ranks}.jsonl"
-            wall = run(train_args, metrics, ranks, args.backend)
+            wall = run(train_args, metrics, ranks, args.backend, args.layout, args.bundle_gpu if args.gpus else None)
             rows[name] = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
             result["runs"][name] = {"wall_s": wall, **summary(rows[name])}
         one, many = rows.values()

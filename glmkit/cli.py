@@ -51,6 +51,17 @@ _positive = _int_at_least(1, "positive integer")
 _non_negative = _int_at_least(0, "non-negative integer")
 
 
+def _gpu_fraction(text: str) -> float:
+    """An argparse type: a GPU share in (0, 1]."""
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    return value
+
+
+_gpu_fraction.__name__ = "GPU fraction"
+
+
 def _dtype(name: str):
     import torch
 
@@ -357,14 +368,15 @@ def _launch_builtin(args) -> int:
 
     TrainConfig(**fields).resolved()  # a bad config fails here, before any cluster work
     if args.dry_run:
-        print(jobs.builtin_entrypoint(fields, args.rollout_actors, args.device == "cuda", trainers=args.trainers))
+        print(jobs.builtin_entrypoint(fields, args.rollout_actors, args.device == "cuda", trainers=args.trainers,
+                                      bundle_gpu=args.bundle_gpu))
         return 0
     # a local head advertises a logical CPU per bundle the run asks for (a smoke run, not a benchmark)
     head = LocalHead.start(num_cpus=max(2, args.rollout_actors + args.trainers)) if args.local_head else None
     try:
         address = head.dashboard if head else args.address
         nodes = inventory(address)
-        free = sum(n["gpus"] if args.device == "cuda" else n["cpus"] for n in nodes if n["alive"])
+        free = sum(n["gpus"] / args.bundle_gpu if args.device == "cuda" else n["cpus"] for n in nodes if n["alive"])
         bundles = args.rollout_actors + args.trainers
         if free < bundles:
             raise ValueError(f"{args.rollout_actors} rollout actors and {args.trainers} separate trainers need "
@@ -374,7 +386,8 @@ def _launch_builtin(args) -> int:
         if job is None:
             python = jobs.local_python() if head else "python3"
             job = jobs.submit(client, jobs.builtin_entrypoint(fields, args.rollout_actors, args.device == "cuda", python,
-                                                              trainers=args.trainers), args.run_name)
+                                                              trainers=args.trainers, bundle_gpu=args.bundle_gpu),
+                              args.run_name)
             print(f"submitted {job}")
         else:
             print(f"re-attached to {job}")
@@ -599,6 +612,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trainers", type=_non_negative, default=0,
                    help="builtin: 0 = one trainer beside the first rollout actor; N = N data-parallel trainer ranks "
                         "on bundles (GPUs) of their own, weights to the rollout actors over a process group")
+    p.add_argument("--bundle-gpu", type=_gpu_fraction, default=1.0,
+                   help="builtin, --device cuda: the GPU each bundle holds (default 1); a fraction packs several "
+                        "bundles on one GPU, e.g. 0.5 for --trainers 1 on a one-GPU host (their world runs over gloo)")
     p.add_argument("--lora-rank", type=int, default=0)
     p.add_argument("--device", default="cpu", choices=DEVICES)
     p.add_argument("--dtype", default="float32", choices=list(DTYPES))

@@ -196,3 +196,26 @@ def test_path_checks_on_real_files(tiny_ckpt, tmp_path):
     assert dataset_check(data).ok  # rows after the first three are not read
     data.write_bytes(b"\xff\xfe not json\n")
     assert "line 1: not JSON" in dataset_check(data).detail
+
+
+def test_builtin_bundle_gpu_fraction_reaches_the_job_and_bad_values_are_refused(capsys):
+    """--bundle-gpu packs bundles on shared GPUs: the dry run's entrypoint carries it, argparse refuses a
+    value outside (0, 1], and the job's own entrypoint refuses a fraction without --gpus."""
+    from glmkit.cli import main
+    from glmkit.launch import builtin
+
+    args = ["launch", "--backend", "builtin", "--local-head", "--model-name", "tiny", "--dry-run", "--trainers", "1",
+            "--device", "cuda", "--dtype", "bfloat16"]
+    assert main(args + ["--bundle-gpu", "0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "--trainers 1 --gpus --bundle-gpu 0.5" in out
+    assert main(args) == 0
+    assert "--bundle-gpu" not in capsys.readouterr().out  # the default (a whole GPU) is not spelled out
+    for bad in ("0", "1.5", "half"):
+        with pytest.raises(SystemExit):
+            main(args + ["--bundle-gpu", bad])
+        assert "--bundle-gpu" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="--bundle-gpu is a GPU fraction: it needs --gpus"):
+        builtin.main(["--config-json", "{}", "--trainers", "1", "--bundle-gpu", "0.5"])
+    with pytest.raises(SystemExit, match=r"--bundle-gpu must be in \(0, 1\], got 2.0"):
+        builtin.main(["--config-json", "{}", "--gpus", "--bundle-gpu", "2"])

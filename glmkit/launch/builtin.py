@@ -10,7 +10,8 @@ replaced by `RayRollout`: each rollout's prompts are split between the rollout a
   actor on bundle 0 beside rollout actor 0 (0.2 and 0.4 of the bundle's GPU, or of its CPU); after
   every update the trainable tensors go to every rollout actor through the object store, put once;
 - separate (--trainers N >= 1): N + R bundles, trainer rank i alone on bundle i, rollout actor j alone
-  on bundle N + j. All of them join one torch.distributed world (nccl with --gpus, gloo otherwise;
+  on bundle N + j. All of them join one torch.distributed world (nccl with --gpus, gloo otherwise or
+  when --bundle-gpu packs several bundles on one GPU;
   rendezvous at trainer 0's address) split into two groups: the N trainer ranks, a data-parallel
   trainer (`glmkit.rl.parallel`: rank 0 rolls out, every rank trains its share, gradients summed by
   all-reduce), and the weights-update group of trainer 0 and the rollout actors, over which trainer 0
@@ -212,6 +213,10 @@ def main(argv=None) -> int:
                         help="0: one trainer colocated with rollout actor 0; N: N data-parallel trainer ranks on "
                              "bundles of their own, weights to the rollout actors over a process group")
     parser.add_argument("--gpus", action="store_true", help="bundles and actor shares are GPUs")
+    parser.add_argument("--bundle-gpu", type=float, default=1.0,
+                        help="with --gpus, the GPU a bundle holds: 1 (default) or a fraction, so that several bundles "
+                             "share one GPU (the separate layout tried on a one-GPU host); the world then runs over "
+                             "gloo, as NCCL takes one rank per GPU")
     args = parser.parse_args(argv)
     fields = json.loads(args.config_json)
     if not isinstance(fields, dict):
@@ -221,6 +226,10 @@ def main(argv=None) -> int:
         raise SystemExit(f"--rollout-actors must be >= 1, got {args.rollout_actors}")
     if args.trainers < 0:
         raise SystemExit(f"--trainers must be >= 0, got {args.trainers}")
+    if not 0 < args.bundle_gpu <= 1:
+        raise SystemExit(f"--bundle-gpu must be in (0, 1], got {args.bundle_gpu}")
+    if args.bundle_gpu < 1 and not args.gpus:
+        raise SystemExit("--bundle-gpu is a GPU fraction: it needs --gpus")
 
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
@@ -228,12 +237,12 @@ def main(argv=None) -> int:
 
     ray.init(logging_level="ERROR")
     n, separate = args.rollout_actors, args.trainers
-    bundle = {"CPU": 1, "GPU": 1} if args.gpus else {"CPU": 1}
+    bundle = {"CPU": 1, "GPU": args.bundle_gpu} if args.gpus else {"CPU": 1}
     pg = placement_group([dict(bundle) for _ in range(separate + n)], strategy="PACK", name="glmkit-grpo")
     ray.get(pg.ready(), timeout=600)
 
     def share(fraction, index):
-        resources = {"num_gpus": fraction, "num_cpus": 0} if args.gpus else {"num_cpus": fraction}
+        resources = {"num_gpus": fraction * args.bundle_gpu, "num_cpus": 0} if args.gpus else {"num_cpus": fraction}
         return dict(**resources, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index))
 
     names = [f"glmkit-rollout-{i}" for i in range(n)]
@@ -248,7 +257,7 @@ def main(argv=None) -> int:
                     for r in range(separate)]
     try:
         if separate:
-            world, backend = separate + n, "nccl" if args.gpus else "gloo"
+            world, backend = separate + n, "nccl" if args.gpus and args.bundle_gpu == 1 else "gloo"
             master = ray.get(trainers[0].address.remote())
             starts = [t.start.remote(master, world, r, separate, backend) for r, t in enumerate(trainers)]
             starts += [a.join.remote(master, world, separate + i, separate, backend) for i, a in enumerate(actors)]

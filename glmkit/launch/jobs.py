@@ -67,12 +67,13 @@ class JobResult:
 
 
 def builtin_entrypoint(fields: dict, rollout_actors: int = 1, gpus: bool = False, python: str = "python3",
-                       trainers: int = 0) -> str:
+                       trainers: int = 0, bundle_gpu: float = 1.0) -> str:
     """The Ray job entrypoint of the builtin backend for TrainConfig `fields` (trainers: 0 = one trainer
-    colocated with the first rollout actor; N = N data-parallel trainer ranks on their own bundles)."""
+    colocated with the first rollout actor; N = N data-parallel trainer ranks on their own bundles;
+    bundle_gpu: the GPU a bundle holds, below 1 to share GPUs)."""
     argv = [python, "-m", "glmkit.launch.builtin", "--config-json", json.dumps(fields, sort_keys=True),
             "--rollout-actors", str(rollout_actors)] + (["--trainers", str(trainers)] if trainers else []) + \
-        (["--gpus"] if gpus else [])
+        (["--gpus"] if gpus else []) + (["--bundle-gpu", repr(bundle_gpu)] if bundle_gpu != 1 else [])
     return " ".join(shlex.quote(a) for a in argv)
 
 
