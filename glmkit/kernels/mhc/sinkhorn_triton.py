@@ -27,12 +27,12 @@ BLOCK = 64  # tokens per program: 64 x 16 fp32 values at n = 4, 8 a thread at 4 
 
 
 @triton.jit
-def _normalise_step(x, s, eps):
+def _normalise_step(x, s, EPS: tl.constexpr):
     """Step s of the chain on x [BLOCK, NP, NP] (axis 1 = rows i, axis 2 = columns j of comb[i, j]):
     -> (y, denominator broadcast to x's shape)."""
     by_columns = s % 2 == 0
-    column_sums = tl.sum(x, 1)[:, None, :] + eps
-    row_sums = tl.sum(x, 2)[:, :, None] + eps
+    column_sums = tl.sum(x, 1)[:, None, :] + EPS
+    row_sums = tl.sum(x, 2)[:, :, None] + EPS
     denominator = tl.where(by_columns, column_sums, row_sums)
     return x / denominator, denominator
 
@@ -47,17 +47,17 @@ def _offsets(N, N_MAT: tl.constexpr, NP: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _sinkhorn_fwd_kernel(x_ptr, y_ptr, N, eps, STEPS: tl.constexpr, N_MAT: tl.constexpr, NP: tl.constexpr,
+def _sinkhorn_fwd_kernel(x_ptr, y_ptr, N, EPS: tl.constexpr, STEPS: tl.constexpr, N_MAT: tl.constexpr, NP: tl.constexpr,
                          BLOCK: tl.constexpr):
     offsets, mask = _offsets(N, N_MAT, NP, BLOCK)
     x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     for s in range(STEPS):
-        x, _ = _normalise_step(x, s, eps)
+        x, _ = _normalise_step(x, s, EPS)
     tl.store(y_ptr + offsets, x.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _sinkhorn_bwd_kernel(x_ptr, gy_ptr, gx_ptr, N, eps, STEPS: tl.constexpr, N_MAT: tl.constexpr,
+def _sinkhorn_bwd_kernel(x_ptr, gy_ptr, gx_ptr, N, EPS: tl.constexpr, STEPS: tl.constexpr, N_MAT: tl.constexpr,
                          NP: tl.constexpr, BLOCK: tl.constexpr):
     offsets, mask = _offsets(N, N_MAT, NP, BLOCK)
     x0 = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
@@ -69,8 +69,8 @@ def _sinkhorn_bwd_kernel(x_ptr, gy_ptr, gx_ptr, N, eps, STEPS: tl.constexpr, N_M
         # runtime ints (1-element arrays) cannot bound a `range` with NumPy >= 2.4
         for t in range(STEPS - 1):
             if t < s:
-                x, _ = _normalise_step(x, t, eps)
-        y, denominator = _normalise_step(x, s, eps)
+                x, _ = _normalise_step(x, t, EPS)
+        y, denominator = _normalise_step(x, s, EPS)
         gy = g * y
         along = tl.where(s % 2 == 0, tl.sum(gy, 1)[:, None, :], tl.sum(gy, 2)[:, :, None])
         g = tl.where(mask, (g - along) / denominator, 0.0)
@@ -80,7 +80,8 @@ def _sinkhorn_bwd_kernel(x_ptr, gy_ptr, gx_ptr, N, eps, STEPS: tl.constexpr, N_M
 def _launch(kernel, tensors, n: int, iters: int, eps: float):
     tokens = tensors[0].numel() // (n * n)
     grid = (triton.cdiv(tokens, BLOCK),)
-    wrap_triton(kernel)[grid](*tensors, tokens, eps, STEPS=2 * iters - 1, N_MAT=n,
+    # eps a compile-time constant: a float argument would reach the kernel as fp64 from inductor's launcher
+    wrap_triton(kernel)[grid](*tensors, tokens, EPS=eps, STEPS=2 * iters - 1, N_MAT=n,
                               NP=triton.next_power_of_2(n), BLOCK=BLOCK, num_warps=4)
 
 
