@@ -9,7 +9,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.glmkit-installed
 
-.PHONY: setup report report-grpo report-launch test bench gpu-bundle clean
+.PHONY: setup report report-grpo report-launch test bench gpu-bundle gpu-bundle-ray clean
 
 setup: $(STAMP)
 
@@ -43,6 +43,10 @@ GPU_SERVE_PINS := fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic_c
 
 gpu-bundle:
 	../shared/tools/gpu-bundle $(GPU_SERVE_PINS)
+
+# .gpu-ray/: fla and Ray for the Ray runs on the device machine (its image has no Ray)
+gpu-bundle-ray:
+	bash scripts/gpu_bundle_ray.sh
 
 clean:
 	rm -rf $(VENV) reports .cache

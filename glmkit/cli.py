@@ -357,6 +357,8 @@ def _launch_builtin(args) -> int:
 
     if not args.address and not args.local_head:
         raise ValueError("--backend builtin needs --address http://HOST:8265 or --local-head")
+    if args.bundle_gpu != 1 and args.device != "cuda":
+        raise ValueError(f"--bundle-gpu {args.bundle_gpu} is a share of a GPU: it needs --device cuda")
     fields = {"model_name": args.model_name, "checkpoint": args.checkpoint, "prompt_data": args.prompt_data,
               "num_rollout": args.num_rollout or 20, "rollout_batch_size": args.rollout_batch_size,
               "n_samples_per_prompt": args.n_samples_per_prompt, "global_batch_size": args.global_batch_size,

@@ -215,6 +215,8 @@ def test_builtin_bundle_gpu_fraction_reaches_the_job_and_bad_values_are_refused(
         with pytest.raises(SystemExit):
             main(args + ["--bundle-gpu", bad])
         assert "--bundle-gpu" in capsys.readouterr().err
+    assert main([a for a in args if a not in ("--device", "cuda")] + ["--bundle-gpu", "0.5"]) != 0
+    assert "--bundle-gpu 0.5 is a share of a GPU: it needs --device cuda" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="--bundle-gpu is a GPU fraction: it needs --gpus"):
         builtin.main(["--config-json", "{}", "--trainers", "1", "--bundle-gpu", "0.5"])
     with pytest.raises(SystemExit, match=r"--bundle-gpu must be in \(0, 1\], got 2.0"):

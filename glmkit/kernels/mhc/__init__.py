@@ -22,11 +22,10 @@ from glmkit.kernels.mhc import naive
 
 # read once at import: dynamo traces `sinkhorn` below and reads module globals without a graph break
 _HAVE_TRITON = importlib.util.find_spec("triton") is not None
-USE_KERNEL = True  # benchmarks/bench_mhc_gpu.py sets False to time inductor's loop
 
 
 def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    if USE_KERNEL and _HAVE_TRITON and comb.is_cuda and torch.compiler.is_compiling():
+    if _HAVE_TRITON and comb.is_cuda and torch.compiler.is_compiling():
         from glmkit.kernels.mhc import sinkhorn_triton
 
         return sinkhorn_triton.sinkhorn(comb, iters, eps)
