@@ -164,7 +164,8 @@ def test_prompts_prefilled_in_chunks_get_their_completion_alone(engine, monkeypa
 def test_extend_continues_a_prefill_as_one_prefill(engine):
     """Prefilling prompts in pieces (several requests per call, out of slot order, a one-token piece,
     the first piece from empty caches) leaves the caches and last-token logits of one prefill of the
-    whole prompts: fp32, 1e-5 absolute (values O(1); other summation orders, seen <= 6e-6)."""
+    whole prompts: fp32, 3e-5 absolute (values O(1); other summation orders: seen <= 6e-6 on one
+    machine, 1.1e-5 on another CPU; one cache row missing moves that request's logits by 6.3)."""
     from glmkit.model.rollout import _cache_tensors
 
     g = torch.Generator().manual_seed(4)
@@ -176,10 +177,10 @@ def test_extend_continues_a_prefill_as_one_prefill(engine):
     engine.extend(batch, [p[a:b] for p, (a, b) in zip(prompts, cuts)][::-1], slots=[2, 1, 0])
     got = engine.extend(batch, [p[b:] for p, (_, b) in zip(prompts, cuts)])
     assert batch.lengths.tolist() == [29, 7, 18]
-    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    torch.testing.assert_close(got, want, rtol=0, atol=3e-5)
     for a, b in zip(whole.states, batch.states):
         for x, y in zip(_cache_tensors(a), _cache_tensors(b)):
-            torch.testing.assert_close(y, x, rtol=0, atol=1e-5)
+            torch.testing.assert_close(y, x, rtol=0, atol=3e-5)
     with pytest.raises(ValueError, match="cache holds 40"):
         engine.extend(batch, [[5] * 12], slots=[0])
     with pytest.raises(ValueError, match="one distinct slot"):

@@ -185,3 +185,20 @@ def test_ray_client_address_connects_the_driver(head):
 ])
 def test_metric_lines_are_parsed_as_data(line, row):
     assert jobs.parse_metric_line(line) == row
+
+
+def test_a_local_head_comes_up_where_ray_left_an_auth_token(tmp_path, monkeypatch):
+    """Ray 2.60 turns token auth on for a new head when ~/.ray/auth_token exists (any earlier local
+    ray.init writes one), and clients that were not told send no token: the head used to refuse the
+    readiness probe until the start timed out. LocalHead pins the mode: it comes up, lists its node
+    and takes Jobs API calls from this process."""
+    (tmp_path / ".ray").mkdir()
+    (tmp_path / ".ray" / "auth_token").write_text("0123456789abcdef" * 4)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    head = LocalHead.start(num_cpus=1, timeout=120)
+    try:
+        assert [n["alive"] for n in inventory(head.dashboard)] == [True]
+        assert connect(head.dashboard).list_jobs() == []
+    finally:
+        head.stop()

@@ -80,6 +80,11 @@ class LocalHead:
         if num_gpus is not None:
             argv += ["--num-gpus", str(num_gpus)]
         env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+        # Ray 2.60 turns token auth on for a new head when ~/.ray/auth_token exists (an earlier local
+        # ray.init writes one) while clients without RAY_AUTH_MODE=token send no token: every call to
+        # the head would be refused. Pin the mode so that the head and this process agree; a mode the
+        # user set explicitly is kept (both sides read it).
+        env.setdefault("RAY_AUTH_MODE", "disabled")
         with open(Path(temp_dir) / "head.log", "w") as log:  # the child keeps its own copy of the handle
             process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         head = cls(process, gcs, dash, client, temp_dir)
@@ -127,11 +132,14 @@ def _group_alive(group: int) -> bool:
 
 
 def _jobs_api_ready(dashboard: str) -> bool:
+    import urllib.error
     import urllib.request
 
     try:
         with urllib.request.urlopen(f"{dashboard}/api/version", timeout=2) as r:
             return r.status == 200
+    except urllib.error.HTTPError as err:
+        return err.code == 401  # up, and asks for the token Ray's own clients send (RAY_AUTH_MODE=token)
     except OSError:
         return False
 
