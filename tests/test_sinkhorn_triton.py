@@ -20,19 +20,21 @@ import torch  # noqa: E402
 
 try:
     import triton  # noqa: E402
+    from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 except ImportError:
     triton = None
-
-if triton is not None:
+# import the kernels only where triton itself runs interpreted: a GPU session that imported triton
+# first would otherwise get (and cache) interpreter-decorated kernels for its CUDA tests
+interpreted = triton is not None and isinstance(triton.language.zeros, InterpretedFunction)
+if interpreted:
     from glmkit.kernels.mhc import sinkhorn_triton  # noqa: E402
-    from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 if _PREVIOUS is None:
     os.environ.pop("TRITON_INTERPRET", None)
 else:
     os.environ["TRITON_INTERPRET"] = _PREVIOUS
 if triton is None:
     pytest.skip("triton is not installed (its interpreter runs these kernels on the CPU)", allow_module_level=True)
-if not isinstance(triton.language.zeros, InterpretedFunction):
+if not interpreted:
     pytest.skip("triton was imported before its interpreter was switched on (a CUDA machine): the GPU "
                 "suite checks these kernels there", allow_module_level=True)
 
