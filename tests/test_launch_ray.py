@@ -86,7 +86,7 @@ def test_separate_data_parallel_trainers_and_a_weights_update_group(client, tiny
     rollout actors over the weights-update group after every update. The rows equal the in-process
     run's to fp32 summation order (bounds as in test_parallel.py: rel 1e-4 / abs 1e-6); the rollout
     after the first update is sampled from the broadcast weights, so its rows matching proves they
-    arrived. perf/sync_time is the broadcast's time."""
+    arrived."""
     fields = tiny_fields(tiny_ckpt, tmp_path / "ray" / "metrics.jsonl")
     result = jobs.follow(client, jobs.submit(client, jobs.builtin_entrypoint(fields, 1, python=PY, trainers=2),
                                              "separate"), poll=0.5, timeout=600)
@@ -98,7 +98,6 @@ def test_separate_data_parallel_trainers_and_a_weights_update_group(client, tiny
         assert keys == {k for k in ours if not k.startswith("perf/")}
         for k in keys:
             assert ours[k] == pytest.approx(theirs[k], rel=1e-4, abs=1e-6), k
-    assert all(r["perf/sync_time"] > 0 for r in result.rows if "rollout/raw_reward" in r)
 
 
 def test_two_rollout_actors_split_the_prompts(client, tiny_ckpt, tmp_path):

@@ -61,7 +61,6 @@ def test_two_gloo_ranks_train_as_one_process(tmp_path):
             bound = 1e-6 if key in NOISE else 1e-6 + 1e-4 * abs(want)
             assert abs(b[key] - want) <= bound, (key, want, b[key])
     assert sum(r.get("train/grad_norm", 0) > 0 for r in two) >= 4  # the steps did train
-    assert all("perf/sync_time" in r for r in two if "rollout/raw_reward" in r)
 
     from glmkit.checkpoint import open_checkpoint
 

@@ -126,12 +126,13 @@ class RayRollout:
                                f"{str(err).splitlines()[0]})") from err
 
     def generate(self, prompt_ids, params, seed: int):
-        n = len(self.actors)
-        bounds = [round(i * len(prompt_ids) / n) for i in range(n + 1)]
+        from glmkit.rl.parallel import share
+
         # actor 0 samples with the rollout's own seed (one actor = the in-process run); the others
         # with seeds far from any other rollout's (the trainer's seeds step by 1 per rollout)
-        calls = [(name, actor.generate.remote(prompt_ids[a:b], params, seed + i * ACTOR_SEED_STRIDE))
-                 for i, (name, actor, a, b) in enumerate(zip(self.names, self.actors, bounds, bounds[1:])) if b > a]
+        calls = [(name, actor.generate.remote(part, params, seed + i * ACTOR_SEED_STRIDE))
+                 for i, (name, actor) in enumerate(zip(self.names, self.actors))
+                 if (part := share(prompt_ids, i, len(self.actors)))]
         return [c for part in self._get(calls) for c in part]
 
     def load(self, tensors: dict):

@@ -136,7 +136,9 @@ class SGLangClient:
         group = getattr(self, "update_group", None)
         if group is None:
             raise ValueError("call init_weights_update_group first")
-        device = "cpu" if dist.get_backend() == "gloo" else "cuda"
+        from glmkit.rl.parallel import collective_device
+
+        device = collective_device()
         ordered = [(name, t.detach().to(device).contiguous()) for name, t in tensors.items()]
         answer, error = {}, []
 
