@@ -1,5 +1,6 @@
 """Sparse MLA core (absorbed, NoPE, latent 512, 64 heads) on one GPU: the Triton kernel's launch
-configurations against the torch form, at the real selection width.
+configurations and the TileLang forward (where tilelang is installed) against the torch form, at the
+real selection width.
 
     python benchmarks/bench_sparse_mla_gpu.py [--t 4096] [--out FILE.json]
 
@@ -80,6 +81,27 @@ def main(argv=None):
         rows.append({"kernel": "triton forward", "config": cfg, "ms": ms, "tflops": tflops(fwd_flop, ms), "rel_rms": err})
         if err < 1e-2 and (best is None or ms < best[1]):
             best = (cfg, ms)
+
+    try:
+        from glmkit.kernels.dsa import sparse_tilelang
+    except ImportError as exc:
+        print(f"tilelang forward: not run ({exc})", flush=True)
+    else:
+        out, lse = sparse_tilelang.forward(q, lat, idx, scale)  # compiles
+        _, want_lse = sparse_triton.forward(q, lat, idx, scale)
+        err = ((out.float() - want.float()).norm() / want.float().norm()).item()
+        lse_err = (lse - want_lse).abs().nan_to_num(0.0).max().item()  # -inf on empty rows, on both sides
+        same_empty = bool(torch.equal(torch.isinf(lse), torch.isinf(want_lse)))
+        ms = triton.testing.do_bench(lambda: sparse_tilelang.forward(q, lat, idx, scale), rep=300)
+        plan = sparse_tilelang._plan(idx)
+        kernel = sparse_tilelang._kernel(H, R, scale * sparse_tilelang.LOG2E)
+        kernel_ms = triton.testing.do_bench(lambda: kernel(q, lat, *plan), rep=300)
+        print(f"tilelang forward: {ms:.2f} ms {tflops(fwd_flop, ms):.0f} TFLOP/s (kernel alone {kernel_ms:.2f} ms "
+              f"{tflops(fwd_flop, kernel_ms):.0f}; the rest plans the key blocks), rel RMS vs torch {err:.1e}, "
+              f"lse max |diff| vs triton {lse_err:.1e}, empty rows agree {same_empty}", flush=True)
+        rows.append({"kernel": "tilelang forward", "ms": ms, "tflops": tflops(fwd_flop, ms), "kernel_ms": kernel_ms,
+                     "kernel_tflops": tflops(fwd_flop, kernel_ms), "rel_rms": err, "lse_max_diff": lse_err,
+                     "empty_rows_agree": same_empty})
 
     qg, lg = q.clone().requires_grad_(), lat.clone().requires_grad_()
     out = absorbed.SparseMQA.apply(qg, lg, idx, bounds, scale)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 
 KDA_BACKENDS = ("torch", "fla")
-DSA_BACKENDS = ("auto", "naive", "absorbed", "triton")
+DSA_BACKENDS = ("auto", "naive", "absorbed", "triton", "tilelang")
 MOE_BACKENDS = ("auto", "loop", "grouped")
 FUSE_MODES = ("auto", "on", "off")
 ALLOWED = {"kda": KDA_BACKENDS, "dsa": DSA_BACKENDS, "moe": MOE_BACKENDS, "fuse": FUSE_MODES}
@@ -23,8 +23,9 @@ ALLOWED = {"kda": KDA_BACKENDS, "dsa": DSA_BACKENDS, "moe": MOE_BACKENDS, "fuse"
 class Backends:
     """kda: "torch" (reference, CPU and GPU) or "fla" (Triton, CUDA).
     dsa: "naive" (un-absorbed gather, the reference), "absorbed" (MQA over the shared latent, torch),
-         "triton" (the absorbed form's forward as one Triton kernel, CUDA) or "auto" (triton for CUDA
-         tensors when triton is installed, else absorbed).
+         "triton" (the absorbed form's forward as one Triton kernel, CUDA), "tilelang" (the forward as
+         a warp-specialised TileLang kernel, Hopper bf16, 64k heads, latent 512; Triton backward) or
+         "auto" (per call: tilelang where it takes the inputs, else triton for CUDA tensors, else absorbed).
     moe: "loop" (per-expert, the reference), "grouped" (`torch._grouped_mm`, CUDA bf16) or "auto".
     fuse: elementwise chains (mHC, norms, gates) compiled into fused kernels: "auto" (on CUDA),
           "on" (any device) or "off" (eager, the reference); see glmkit.kernels.fuse."""

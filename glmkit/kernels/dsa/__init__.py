@@ -20,7 +20,10 @@ slots [rows] which request each row belongs to.
 - "triton":   the absorbed form with its forward as one Triton kernel that gathers the selected
               latents itself (`sparse_triton.py`), from packed latents or from a decode cache;
               CUDA, needs triton.
-- "auto":     "triton" for CUDA tensors when triton is installed, "absorbed" otherwise (the default).
+- "tilelang": the forward as a warp-specialised TileLang kernel (`sparse_tilelang.py`: Hopper, bf16,
+              heads a multiple of 64, latent 512), the Triton backward; decode rows go to Triton.
+- "auto":     per call, "tilelang" where installed and it takes the inputs, else "triton" for CUDA
+              tensors when triton is installed, else "absorbed" (the default).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import importlib
 from glmkit.kernels.backends import DSA_BACKENDS
 
 BACKENDS = DSA_BACKENDS
-MODULES = {"triton": "sparse_triton"}  # a module named triton.py would read as the package
+MODULES = {"triton": "sparse_triton", "tilelang": "sparse_tilelang"}  # modules named triton.py / tilelang.py would read as the packages
 
 
 def get_backend(name: str):
