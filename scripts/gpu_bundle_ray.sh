@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# .gpu-ray/ (git-ignored): the device machine's packages for the Ray runs of issue #15 — fla, and Ray
+# .gpu-ray/ (git-ignored): the device machine's packages for the Ray runs of issue #15 — fla, transformers
+# 5.24 (glmkit's config classes; the image has 5.17), and Ray
 # with its dependencies (the GPU image has none of Ray) — small enough to travel (the tree is capped
 # at 64 MiB: Ray's wheel unpacks to 220 MB, so the parts a local Ray core run never imports go: Java
 # jars, rllib, data, serve, llm, tune, train; 27 MB packed). Same layout as ../shared/tools/gpu-bundle:
@@ -12,7 +13,7 @@ top=$(git rev-parse --show-toplevel)
 pins="fla-core==0.6.0 flash-linear-attention==0.6.0 ray==2.60.0 click==8.5.1 jsonschema==4.26.0
   jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1 attrs==26.1.0 msgpack==1.2.4
   protobuf==7.36.2 PyYAML==6.0.4 requests==2.34.2 urllib3==2.8.0 certifi==2026.10.19.post1
-  charset-normalizer==3.5.3 idna==3.20 filelock==4.3.2 packaging==26.4"
+  charset-normalizer==3.5.3 idna==3.20 filelock==4.3.2 packaging==26.4 transformers==5.24.0"
 work=$(mktemp -d); trap 'rm -rf "$work"' EXIT
 # the tool writes .gpu/ at a checkout's top: run it in a scratch clone, then trim and repack here
 git clone -q "$top" "$work/clone"
