@@ -22,6 +22,7 @@ once more, and atomic adds in the GPU kernels differ run to run).
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import shlex
@@ -40,7 +41,9 @@ HEADLINE = ("train/train_rollout_logprob_abs_diff", "rollout/raw_reward", "train
 
 
 def run(train_args: list, metrics: Path, ranks: int, backend: str, layout: str = "data-parallel",
-        bundle_gpu: float | None = None) -> float:
+        bundle_gpu: float | None = None, label: str = "") -> float:
+    """Run one side to its end, its output streamed line by line under `label` (a run cut short by a
+    timeout still shows how far it got); -> wall seconds."""
     command = [sys.executable, "-m", "glmkit", "train", *train_args, "--metrics-out", str(metrics)]
     if layout == "separate" and ranks:
         command = separate_command(train_args, metrics, ranks, bundle_gpu)
@@ -53,9 +56,13 @@ def run(train_args: list, metrics: Path, ranks: int, backend: str, layout: str =
     start = time.perf_counter()
     # the Ray actors of the separate layout import glmkit too: from this checkout, wherever they start
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run(command, capture_output=True, text=True, env=env)
-    if done.returncode != 0:
-        raise SystemExit(f"{' '.join(command)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    tail = collections.deque(maxlen=40)
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as proc:
+        for line in proc.stdout:
+            print(f"[{label}] {line}", end="", flush=True)
+            tail.append(line)
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(command)} failed ({proc.returncode}):\n{''.join(tail)}")
     return time.perf_counter() - start
 
 
@@ -99,7 +106,8 @@ def main(argv=None):
         other = f"{args.ranks} ranks" if args.layout == "data-parallel" else f"separate, {args.ranks} trainer(s)"
         for name, ranks in (("one process", 0), (other, args.ranks)):
             metrics = Path(tmp) / f"{ranks}.jsonl"
-            wall = run(train_args, metrics, ranks, args.backend, args.layout, args.bundle_gpu if args.gpus else None)
+            wall = run(train_args, metrics, ranks, args.backend, args.layout, args.bundle_gpu if args.gpus else None,
+                       label=name)
             rows[name] = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
             result["runs"][name] = {"wall_s": wall, **summary(rows[name])}
         one, many = rows.values()
