@@ -39,7 +39,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     from glmkit.config import variant_config
-    from glmkit.kernels.dsa import absorbed, sparse_triton
+    from glmkit.kernels.dsa import absorbed, key_blocks, sparse_triton
     from glmkit.model.indexer import LightningIndexer
 
     config = variant_config("GLM-5.3-Flash-4layer")
@@ -93,7 +93,7 @@ def main(argv=None):
         lse_err = (lse - want_lse).abs().nan_to_num(0.0).max().item()  # -inf on empty rows, on both sides
         same_empty = bool(torch.equal(torch.isinf(lse), torch.isinf(want_lse)))
         ms = triton.testing.do_bench(lambda: sparse_tilelang.forward(q, lat, idx, scale), rep=300)
-        plan = sparse_tilelang._plan(idx)
+        plan = key_blocks.plan(idx, sparse_tilelang.BLOCK_N)
         kernel = sparse_tilelang._kernel(H, R, scale * sparse_tilelang.LOG2E)
         kernel_ms = triton.testing.do_bench(lambda: kernel(q, lat, *plan), rep=300)
         print(f"tilelang forward: {ms:.2f} ms {tflops(fwd_flop, ms):.0f} TFLOP/s (kernel alone {kernel_ms:.2f} ms "

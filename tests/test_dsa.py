@@ -183,13 +183,13 @@ def test_backends_parse_and_errors():
     assert Backends.parse("fla") == Backends(kda="fla")
     assert Backends.parse("kda=fla, dsa=naive,moe=loop") == Backends("fla", "naive", "loop")
     assert Backends.parse(str(Backends("fla", "naive", "grouped"))) == Backends("fla", "naive", "grouped")
-    with pytest.raises(ValueError, match="unknown DSA backend 'flash'; allowed: auto, naive, absorbed, triton"):
+    with pytest.raises(ValueError, match="unknown DSA backend 'flash'; allowed: auto, naive, absorbed, triton, tilelang"):
         Backends(dsa="flash")
     with pytest.raises(ValueError, match="unknown operator 'attn'.*allowed: kda, dsa, moe, fuse"):
         Backends.parse("attn=fla")
     with pytest.raises(ValueError, match="unknown MOE backend"):
         Backends.parse("moe=fast")
-    assert set(BACKENDS) == {"auto", "naive", "absorbed", "triton"}
+    assert set(BACKENDS) == {"auto", "naive", "absorbed", "triton", "tilelang"}
 
 
 def test_dense_span_padding_uses_zero_rows_only():
@@ -215,6 +215,48 @@ def test_triton_backend_names_its_package_when_missing(monkeypatch):
     want, _, _ = run_layer(layer, x, packed, "absorbed")
     got, _, _ = run_layer(layer, x, packed, "auto")
     assert torch.equal(want, got)
+
+
+def test_tilelang_backend_names_its_package_when_missing(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "tilelang", None)
+    monkeypatch.delitem(sys.modules, "glmkit.kernels.dsa.sparse_tilelang", raising=False)
+    with pytest.raises(ImportError, match="DSA backend 'tilelang' needs tilelang"):
+        Backends(dsa="tilelang").dsa_ops()
+
+
+@pytest.mark.parametrize("block", [4, 64])
+def test_key_blocks_plan_lists_every_block_that_holds_a_key_once(block):
+    """The TileLang forward visits, per row, the first `blocks[t]` entries of `order`: every selected
+    id must lie in exactly one of them, the count is even (whole stage pairs) and at most one listed
+    block more than the filled ones (and then an empty one); ids keep their slots; rows with no key
+    visit nothing. Rows: empty slots in runs and scattered, all empty, all full, W not a multiple."""
+    from glmkit.kernels.dsa import key_blocks
+
+    g = torch.Generator().manual_seed(0)
+    T, W = 9, 2063 if block == 64 else 37
+    idx = torch.randint(0, 10_000, (T, W), generator=g)
+    idx[0] = -1  # no key
+    idx[2, W // 3:] = -1  # one run of empty slots
+    idx[3] = torch.where(torch.rand(W, generator=g) < 0.8, -1, idx[3])  # scattered
+    idx[4, :-1] = -1  # the last slot only
+    idx[5, 1::2] = -1
+    ids, order, blocks = key_blocks.plan(idx, block)
+    assert ids.dtype == order.dtype == blocks.dtype == torch.int32
+    assert ids.shape[1] % (2 * block) == 0 and torch.equal(ids[:, :W], idx.int()) and bool((ids[:, W:] == -1).all())
+    filled = (ids.view(T, -1, block) >= 0).any(-1)
+    for t in range(T):
+        n = int(blocks[t])
+        visited = order[t, :n].long()
+        assert n % 2 == 0 and n - int(filled[t].sum()) in (0, 1)
+        assert len(set(visited.tolist())) == n and sorted(order[t].tolist()) == list(range(order.shape[1]))
+        assert int(filled[t, visited].sum()) == int(filled[t].sum())  # every filled block is visited
+        seen = ids[t].view(-1, block)[visited].flatten()
+        assert torch.equal(seen[seen >= 0].sort().values, idx[t][idx[t] >= 0].int().sort().values)
+    assert int(blocks[0]) == 0 and int(blocks[1]) == ids.shape[1] // block
+    with pytest.raises(ValueError, match=r"idx must be \[T, W\], got shape \(5,\)"):
+        key_blocks.plan(torch.zeros(5, dtype=torch.long), block)
 
 
 @pytest.mark.parametrize("config_name", ["tiny", "shared-kpool2"])

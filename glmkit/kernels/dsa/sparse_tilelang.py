@@ -13,12 +13,10 @@ Shapes it takes: bf16, R = 512 (kv_lora_rank; NoPE, so no 64-dim RoPE tail as in
 "tilelang" backend asked for by name raises ValueError with the reason).
 
 Selection layout: the indexer leaves empty slots in a row (early rows of a sequence are mostly empty,
-in runs of whole pools). Before the kernel (`_plan`) the ids are padded with -1 to a whole number of
-pairs of key blocks, and each row gets the list of its blocks that hold a key (a small argsort over
-34 block flags, not a sort of the 2063 ids: that cost 0.8 ms at T = 4096, a third of the kernel) and
-their count rounded up to even, so the two-stage pipeline below always runs whole stage pairs. Rows
-visit only those blocks; an empty slot in a visited block is masked (score -inf, p = 0) and its
-latent copy is predicated off, leaving zeros in shared memory (so p = 0 times it stays 0).
+in runs of whole pools). `key_blocks.plan` lists per row the key blocks that hold a key (an even
+count, for the two-stage pipeline below); rows visit only those. An empty slot in a visited block is
+masked (score -inf, p = 0) and its latent copy predicated off, leaving zeros in shared memory (so
+p = 0 times it stays 0).
 
 Kernel (one program per row and 64-head group, 384 threads = 3 warpgroups, warp-specialised):
 - producer (warpgroup 2): for each key block, gathers its BLOCK_N latent rows from global memory into
@@ -43,13 +41,13 @@ import functools
 
 import torch
 
-from glmkit.kernels.dsa import absorbed, sparse_triton
-
 try:
     import tilelang
     from tilelang import language as T
 except ImportError as err:  # the message names the package a user installs
     raise ImportError(f"DSA backend 'tilelang' needs tilelang (pip install tilelang; CUDA SM90) ({err})") from err
+
+from glmkit.kernels.dsa import absorbed, key_blocks, sparse_triton  # noqa: E402 (after the package check)
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -230,21 +228,6 @@ def _sparse_mqa_fwd(heads: int, rank: int, scale_log2: float):
     return fwd
 
 
-def _plan(idx: torch.Tensor):
-    """-> (ids int32 [T, W'], padded with -1 to a whole number of block pairs; order int32 [T, W' / BLOCK_N],
-    per row its key blocks that hold a key first, then the empty ones, each group in slot order;
-    blocks int32 [T], how many blocks of `order` the row visits: those with a key, rounded up to even,
-    so the two-stage pipeline runs whole stage pairs; the extra block is an empty one)."""
-    T_, W = idx.shape
-    pair = 2 * BLOCK_N
-    width = max(pair, -(-W // pair) * pair)
-    ids = torch.nn.functional.pad(idx.to(torch.int32), (0, width - W), value=-1)
-    filled = (ids.view(T_, width // BLOCK_N, BLOCK_N) >= 0).any(-1)
-    order = torch.argsort((~filled).to(torch.int8), dim=1, stable=True).to(torch.int32)
-    blocks = (filled.sum(1, dtype=torch.int32) + 1) // 2 * 2
-    return ids, order.contiguous(), blocks
-
-
 def forward(q_lat, latent, idx, scale):
     """-> (o_lat [T, H, R] bf16, lse [T, H] fp32); ValueError with the reason for inputs it does not take."""
     why = _refusal(q_lat, latent, idx)
@@ -254,7 +237,7 @@ def forward(q_lat, latent, idx, scale):
     T_, H, R = q_lat.shape
     if T_ == 0:
         return torch.empty_like(q_lat), torch.empty(0, H, dtype=torch.float32, device=q_lat.device)
-    ids, order, blocks = _plan(idx)
+    ids, order, blocks = key_blocks.plan(idx, BLOCK_N)
     out, lse = _kernel(H, R, float(scale) * LOG2E)(q_lat, latent, ids, order, blocks)
     return out, lse
 
