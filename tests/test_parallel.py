@@ -73,6 +73,37 @@ def test_two_gloo_ranks_train_as_one_process(tmp_path):
     assert max((alone[k].float() - ranked[k].float()).abs().max() for k in alone) < 3.2e-3
 
 
+def test_an_optimizer_step_all_reduces_its_metrics_in_one_call(tmp_path, monkeypatch):
+    """Under data parallelism an optimizer step all-reduces the step's sample count once, the gradients
+    once per bucket and every metric together in one more call (the count, grad norm and losses used to
+    take ~16 small blocking calls a step); with one rank in a real gloo group the rows are the one-process
+    trainer's, to the bit, but for the gradient norm (1e-6 relative: the ranked trainer also feeds the
+    gradients no token reached, as zeros, to the norm, which changes its fp32 summation order)."""
+    import torch.distributed as dist
+
+    from glmkit.rl.loop import GRPOTrainer
+    from glmkit.rl.parallel import BUCKET_BYTES, DataParallel
+    from tests.test_train import tiny
+
+    alone = GRPOTrainer(tiny(tmp_path / "alone", num_rollout=1)).step(0)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        calls, real = [], dist.all_reduce
+        monkeypatch.setattr(dist, "all_reduce", lambda t, *a, **k: (calls.append(t.numel()), real(t, *a, **k))[1])
+        trainer = GRPOTrainer(tiny(tmp_path / "ranked", num_rollout=1), dp=DataParallel())
+        ranked = trainer.step(0)
+    finally:
+        dist.destroy_process_group()
+    steps = sum("train/step" in r for r in ranked)
+    buckets = len(_buckets(list(trainer.trainable), BUCKET_BYTES))
+    assert steps >= 2 and len(calls) == steps * (2 + buckets), (steps, buckets, calls)
+    for a, b in zip(alone, ranked):
+        assert set(a) == set(b)
+        assert {k: v for k, v in a.items() if not k.startswith("perf/") and k != "train/grad_norm"} == \
+            {k: v for k, v in b.items() if not k.startswith("perf/") and k != "train/grad_norm"}
+        assert b.get("train/grad_norm", 0.0) == pytest.approx(a.get("train/grad_norm", 0.0), rel=1e-6)
+
+
 def test_data_parallel_without_a_launcher_says_what_is_missing(tmp_path):
     out = subprocess.run([sys.executable, "-m", "glmkit", "train", "--model-name", "tiny", "--num-rollout", "1",
                           "--data-parallel", "gloo", "--metrics-out", str(tmp_path / "m.jsonl")],

@@ -35,19 +35,25 @@ def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.
 def sample_mean(values: torch.Tensor, mask: torch.Tensor, sample_of: torch.Tensor, num_samples: int):
     """Mean over samples of each sample's mean over its masked tokens (the recipe's reduction).
     values, mask, sample_of: [T] over packed tokens; samples without any masked token are skipped."""
-    total, present = sample_sums(values, mask, sample_of, num_samples)
+    present = samples_present(mask, sample_of, num_samples)
+    total = sample_total(values, mask, sample_of, num_samples)
     return total / present if present else total
 
 
-def sample_sums(values: torch.Tensor, mask: torch.Tensor, sample_of: torch.Tensor, num_samples: int):
-    """(sum over samples of each sample's masked-token mean [a 0-d tensor], number of samples with a
-    masked token): sample_mean's parts, which data-parallel ranks add up before dividing."""
+def sample_total(values: torch.Tensor, mask: torch.Tensor, sample_of: torch.Tensor, num_samples: int):
+    """Sum over samples of each sample's masked-token mean (a 0-d tensor; samples with no masked token
+    add nothing): sample_mean's numerator, which data-parallel ranks add up before dividing."""
     mask = mask.float()
     sums = torch.zeros(num_samples, dtype=torch.float32, device=values.device).index_add(
         0, sample_of, values.float() * mask)
     counts = torch.zeros(num_samples, dtype=torch.float32, device=values.device).index_add(0, sample_of, mask)
-    present = counts > 0
-    return (sums[present] / counts[present]).sum(), int(present.sum())
+    return (sums / counts.clamp(min=1)).sum()
+
+
+def samples_present(mask: torch.Tensor, sample_of: torch.Tensor, num_samples: int) -> int:
+    """How many of the samples have a masked token: sample_mean's denominator."""
+    counts = torch.zeros(num_samples, dtype=torch.float32, device=mask.device).index_add(0, sample_of, mask.float())
+    return int((counts > 0).sum())
 
 
 def ppo_clip_loss(logp, old_logp, advantages, eps_clip: float = 0.2, eps_clip_high: float = 0.28):

@@ -493,22 +493,18 @@ class GRPOTrainer:
                 "rollout_logp": rollout_logp, "routing": routing, "topk": topk,
                 "adv_tok": advantages[packed.seq_index.cpu()]}
 
-    def _share_of_mean(self, values, mask, sample_of, num_samples):
-        """This rank's share of grpo.sample_mean over an optimizer step's samples: its samples' means
-        summed, over the count of samples on every rank (the whole mean in one process). A tensor: the
-        loss terms keep their graph."""
-        if self.dp is None:
-            return grpo.sample_mean(values, mask, sample_of, num_samples)
-        total, present = grpo.sample_sums(values, mask, sample_of, num_samples)
-        present = self.dp.sum(present)[0]
-        return total / present if present else total
-
-    def _sum(self, *values: float) -> list[float]:
-        """Values summed over the ranks (themselves in one process)."""
-        return list(values) if self.dp is None else self.dp.sum(*values)
-
-    def _mean(self, values, mask, sample_of, num_samples) -> float:
-        return self._sum(self._share_of_mean(values, mask, sample_of, num_samples).item())[0]
+    def _sum(self, *values) -> list[float]:
+        """Python floats and 0-d tensors (those on one device) summed over the ranks, themselves in one
+        process: one read-back and, under data parallelism, one all-reduce for all of them."""
+        tensors = [v.detach().reshape(()).double() for v in values if torch.is_tensor(v)]
+        floats = torch.tensor([float(v) for v in values if not torch.is_tensor(v)], dtype=torch.float64)
+        device = self.dp.device if self.dp is not None else torch.device("cpu")
+        stacked = torch.cat([torch.stack(tensors).to(device) if tensors else floats[:0].to(device), floats.to(device)])
+        if self.dp is not None:
+            stacked = self.dp.sum_tensor(stacked)
+        summed = iter(stacked.tolist())
+        on_device, on_host = [next(summed) for _ in tensors], list(summed)
+        return [on_device.pop(0) if torch.is_tensor(v) else on_host.pop(0) for v in values]
 
     @torch.no_grad()
     def recompute(self, batch: dict):
@@ -552,19 +548,25 @@ class GRPOTrainer:
         sub_rows = torch.cat([torch.arange(*packed.bounds()[i]) for i in ids])
         row = {"train/step": step * minibatches + mb, "rollout/step": step, "step": step}
         sub_of_cpu = sub_packed.seq_index.cpu()
-        row["train/train_rollout_logprob_abs_diff"] = self._mean(batch["abs_diff"][sub_rows], sub_mask, sub_of_cpu,
-                                                                 len(ids))
-        row["train/train_rollout_kl"] = self._mean(batch["rollout_kl"][sub_rows], sub_mask, sub_of_cpu, len(ids))
+        num = len(ids)
+        # every loss term and metric is a mean over the step's samples of each sample's token mean: this
+        # rank adds its samples' means and divides by the samples (with a response token) of all ranks
+        present = self._sum(grpo.samples_present(sub_mask, sub_of_cpu, num))[0]
+
+        def share_of_mean(values, mask, sample_of):
+            total = grpo.sample_total(values, mask, sample_of, num)
+            return total / present if present else total
+
+        on_host = {"train/train_rollout_logprob_abs_diff": share_of_mean(batch["abs_diff"][sub_rows], sub_mask,
+                                                                         sub_of_cpu).item(),
+                   "train/train_rollout_kl": share_of_mean(batch["rollout_kl"][sub_rows], sub_mask, sub_of_cpu).item()}
         responses = int(sub_mask.sum())
         if batch["routing_differs"] is not None:
-            differs, rows_all = self._sum(batch["routing_differs"][sub_rows][sub_mask].sum().item(),
-                                          responses * len(routing))
-            row["train/routing_mismatch_frac"] = differs / max(1, rows_all)
+            on_host["routing_differs"] = batch["routing_differs"][sub_rows][sub_mask].sum().item()
+            on_host["routing_rows"] = responses * len(routing)
         if batch["topk_kinds"] is not None:
-            differs, ties, rows_all = self._sum(*(k[sub_rows][sub_mask].sum().item() for k in batch["topk_kinds"]),
-                                                responses * len(topk))
-            row["train/topk_mismatch_frac"] = differs / max(1, rows_all)
-            row["train/topk_tie_frac"] = ties / max(1, rows_all)
+            differs, ties = (k[sub_rows][sub_mask].sum().item() for k in batch["topk_kinds"])
+            on_host.update(topk_differs=differs, topk_ties=ties, topk_rows=responses * len(topk))
         out = self.train_path.forward(input_ids=sub_in, packed=sub_packed, return_entropy=True,
                                       temperature=cfg.rollout_temperature,
                                       routing=sub_routing if cfg.enable_r3 else None,
@@ -575,22 +577,32 @@ class GRPOTrainer:
         loss_tok, clipped, kl_tok = grpo.ppo_clip_loss(out.logprobs.float(), old_logp[sub_rows].to(m.device),
                                                       batch["adv_tok"][sub_rows].to(m.device), cfg.eps_clip,
                                                       cfg.eps_clip_high)
-        # each term is this rank's share of the step's mean (the mean itself in one process)
-        pg_loss = self._share_of_mean(loss_tok, m, sub_of, len(ids))
-        entropy = self._share_of_mean(out.entropy, m, sub_of, len(ids))  # of softmax(logits / T)
+        pg_loss = share_of_mean(loss_tok, m, sub_of)
+        entropy = share_of_mean(out.entropy, m, sub_of)  # of softmax(logits / T)
         loss = pg_loss - cfg.entropy_coef * entropy
-        row["train/entropy_loss"] = self._sum(entropy.item())[0]
+        on_device = {"train/pg_loss": pg_loss, "total_loss": loss, "train/entropy_loss": entropy,
+                     "train/pg_clipfrac": share_of_mean(clipped, m, sub_of),
+                     "train/ppo_kl": share_of_mean(kl_tok, m, sub_of)}
         if self.reference is not None:
-            kl = self._share_of_mean(grpo.kl_estimate(out.logprobs, batch["ref_logp"][sub_rows].to(m.device),
-                                                      cfg.kl_loss_type), m, sub_of, len(ids))
+            kl = share_of_mean(grpo.kl_estimate(out.logprobs, batch["ref_logp"][sub_rows].to(m.device),
+                                                cfg.kl_loss_type), m, sub_of)
             loss = loss + cfg.kl_loss_coef * kl
-            row["train/kl_loss"] = self._sum(kl.item())[0]
+            on_device.update({"train/kl_loss": kl, "total_loss": loss})
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if self.dp is not None:
             self.dp.sum_gradients(self.trainable)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, cfg.clip_grad)
-        row["train/pg_loss"], total_loss = self._sum(pg_loss.item(), loss.item())
+        names = [*on_device, *on_host]
+        sums = dict(zip(names, self._sum(*on_device.values(), *on_host.values())))  # all metrics: one reduce
+        total_loss = sums.pop("total_loss")
+        if "routing_rows" in sums:
+            sums["train/routing_mismatch_frac"] = sums.pop("routing_differs") / max(1, sums.pop("routing_rows"))
+        if "topk_rows" in sums:
+            rows_all = max(1, sums.pop("topk_rows"))
+            sums["train/topk_mismatch_frac"] = sums.pop("topk_differs") / rows_all
+            sums["train/topk_tie_frac"] = sums.pop("topk_ties") / rows_all
+        row.update(sums)
         row["train/grad_norm"] = grad_norm.item()
         if math.isfinite(row["train/pg_loss"]) and math.isfinite(row["train/grad_norm"]) and \
                 math.isfinite(total_loss):
@@ -600,8 +612,6 @@ class GRPOTrainer:
             self.optimizer.zero_grad(set_to_none=True)
             self.nonfinite_streak += 1
             row["train/step_skipped"] = True
-        row["train/pg_clipfrac"] = self._mean(clipped, m, sub_of, len(ids))
-        row["train/ppo_kl"] = self._mean(kl_tok, m, sub_of, len(ids))
         return row
 
     def rollout_metrics(self, step: int, completions, rewards, t0: float, t_rollout: float, t_train: float,

@@ -61,11 +61,11 @@ class DataParallel:
     def share(self, ids: list) -> list:
         return share(ids, self.rank, self.world)
 
-    def sum(self, *values: float) -> list[float]:
-        """Each value summed over the ranks (one all-reduce, float64)."""
-        t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self.device)
+    def sum_tensor(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` summed over the ranks, elementwise (one all-reduce, on the group's device)."""
+        t = t.to(self.device)
         dist.all_reduce(t, group=self.group)
-        return t.tolist()
+        return t
 
     def sum_gradients(self, params: list, bucket_bytes: int = BUCKET_BYTES) -> None:
         """Every parameter's gradient summed over the ranks, in place: one all-reduce per bucket of
