@@ -7,6 +7,7 @@ file, tensor or flag, then any detail lines the library gave, at most MAX_ERROR_
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -214,10 +215,12 @@ def cmd_train(args) -> int:
     from glmkit.rl.loop import NonFiniteRun, rollout_rows
 
     rollout = None
-    if args.data_parallel and args.rollout_url and args.weight_update == "distributed":
+    if args.data_parallel and args.rollout_url and args.weight_update == "distributed":  # every rank stops here
         raise SystemExit("glmkit train: --data-parallel and --weight-update distributed both need this process's "
                          "torch.distributed group; use --weight-update tensor or disk with --data-parallel")
-    if args.rollout_url:
+    # under data parallelism rank 0 alone rolls out: the other ranks build no client (torchrun sets RANK)
+    lead = not args.data_parallel or os.environ.get("RANK", "0") == "0"
+    if args.rollout_url and lead:
         from glmkit.serve.client import SGLangRollout
 
         rollout = SGLangRollout(args.rollout_url, mode=args.weight_update, update_dir=args.weight_update_dir,
@@ -227,10 +230,10 @@ def cmd_train(args) -> int:
     cfg = trainer.cfg
     for note in trainer.notes:
         print(note)
-    if trainer.problems:
+    if trainer.problems and trainer.lead:
         print(f"{cfg.prompt_data}: skipped {len(trainer.problems)} malformed rows (first: {trainer.problems[0]})",
               file=sys.stderr)
-    if trainer.lora_names:
+    if trainer.lora_names and trainer.lead:
         print(f"LoRA rank {cfg.lora_rank}: {len(trainer.lora_names)} projections adapted, "
               f"{sum(p.numel() for p in trainer.trainable)} trainable parameters")
     stopped, history = None, []

@@ -104,6 +104,24 @@ def test_an_optimizer_step_all_reduces_its_metrics_in_one_call(tmp_path, monkeyp
         assert b.get("train/grad_norm", 0.0) == pytest.approx(a.get("train/grad_norm", 0.0), rel=1e-6)
 
 
+def test_data_parallel_refuses_the_distributed_weight_update_before_joining(tmp_path):
+    """Both want the process's default group: the trainer says so before it joins one (without the
+    check, this would fail on the missing launcher environment instead)."""
+    from glmkit.rl.loop import GRPOTrainer
+    from glmkit.serve.client import SGLangRollout
+    from tests.test_train import tiny
+
+    rollout = SGLangRollout("http://127.0.0.1:9", mode="distributed", master="127.0.0.1:9")
+    with pytest.raises(ValueError, match="'distributed' weight update"):
+        GRPOTrainer(tiny(tmp_path, data_parallel="gloo"), rollout=rollout)
+    # the CLI refuses on every rank alike, before any rank joins a group (no rank waits for another)
+    out = subprocess.run([sys.executable, "-m", "glmkit", "train", "--model-name", "tiny", "--data-parallel", "gloo",
+                          "--rollout-url", "http://127.0.0.1:9", "--weight-update", "distributed",
+                          "--weight-update-master", "127.0.0.1:9", "--metrics-out", str(tmp_path / "m.jsonl")],
+                         capture_output=True, text=True, timeout=120, env={**os.environ, "RANK": "1"})
+    assert out.returncode != 0 and "--data-parallel and --weight-update distributed" in out.stderr, out.stderr
+
+
 def test_data_parallel_without_a_launcher_says_what_is_missing(tmp_path):
     out = subprocess.run([sys.executable, "-m", "glmkit", "train", "--model-name", "tiny", "--num-rollout", "1",
                           "--data-parallel", "gloo", "--metrics-out", str(tmp_path / "m.jsonl")],

@@ -332,6 +332,9 @@ class GRPOTrainer:
         from glmkit.rl.tokenizer import load_tokenizer
 
         self.cfg = cfg = cfg.resolved()
+        if (dp is not None or cfg.data_parallel) and getattr(rollout, "mode", None) == "distributed":
+            raise ValueError("data parallelism and the 'distributed' weight update both need this process's "
+                             "default torch.distributed group; use the 'tensor' or 'disk' weight update with it")
         if dp is None and cfg.data_parallel:
             from glmkit.rl.parallel import DataParallel
 
@@ -481,13 +484,12 @@ class GRPOTrainer:
         rows.append(self.rollout_metrics(step, completions, rewards, t0, t_rollout, time.time() - t1, t_sync))
         return rows
 
-    def build_batch(self, completions, rewards, kept: list | None = None) -> dict:
+    def build_batch(self, completions, rewards, kept: list) -> dict:
         """Packed sequences and what the updates need from the rollout: response mask, rollout
         log-probs, routing and DSA selections (see _pack), per-token group advantages (over the
-        whole rollout's groups); `kept`: the completions (indices) this rank trains on, default all."""
+        whole rollout's groups); `kept`: the completions (indices) this rank trains on."""
         advantages = grpo.group_advantages(rewards, self.cfg.n_samples_per_prompt)
-        if kept is not None:
-            completions, advantages = [completions[i] for i in kept], advantages[kept]
+        completions, advantages = [completions[i] for i in kept], advantages[kept]
         input_ids, packed, mask, rollout_logp, routing, topk = self._pack(completions)
         return {"completions": completions, "input_ids": input_ids, "packed": packed, "mask": mask,
                 "rollout_logp": rollout_logp, "routing": routing, "topk": topk,
@@ -536,14 +538,12 @@ class GRPOTrainer:
         batch["topk_kinds"] = topk_row_kinds(old.topk, topk, scores, batch["mask"], self.policy.config.index_kpool,
                                              self.policy.dtype)
 
-    def update(self, batch: dict, step: int, mb: int, minibatches: int, ids: list | None = None) -> dict:
+    def update(self, batch: dict, step: int, mb: int, minibatches: int, ids: list) -> dict:
         """Optimizer step `mb` of rollout `step` over its global_batch_size samples -> its train row.
-        `ids`: this rank's samples of the step, as indices into `batch` (default: the step's all)."""
+        `ids`: this rank's samples of the step (all of them in one process), as indices into `batch`."""
         cfg = self.cfg
         completions, packed = batch["completions"], batch["packed"]
         routing, topk = batch["routing"], batch["topk"]
-        if ids is None:
-            ids = list(range(mb * cfg.global_batch_size, (mb + 1) * cfg.global_batch_size))
         sub_in, sub_packed, sub_mask, _, sub_routing, sub_topk = self._pack([completions[i] for i in ids])
         sub_rows = torch.cat([torch.arange(*packed.bounds()[i]) for i in ids])
         row = {"train/step": step * minibatches + mb, "rollout/step": step, "step": step}
