@@ -26,7 +26,6 @@ import collections
 import json
 import os
 import shlex
-import socket
 import statistics
 import subprocess
 import sys
@@ -48,9 +47,9 @@ def run(train_args: list, metrics: Path, ranks: int, backend: str, layout: str =
     if layout == "separate" and ranks:
         command = separate_command(train_args, metrics, ranks, bundle_gpu)
     elif ranks > 1:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        from glmkit.launch.cluster import free_port
+
+        port = free_port()
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-addr",
                    "127.0.0.1", "--master-port", str(port), *command[1:], "--data-parallel", backend]
     start = time.perf_counter()

@@ -16,23 +16,17 @@ from __future__ import annotations
 import glob
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
 
+from glmkit.launch.cluster import free_port
 from glmkit.model.rollout import Completion
 from glmkit.rl.parallel import _buckets, decode_rollout, encode_rollout, share
 
 NOISE = ("train/train_rollout_logprob_abs_diff", "train/train_rollout_kl")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def train(tmp_path, name, ranks=None, extra=()):

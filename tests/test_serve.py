@@ -22,6 +22,7 @@ import pytest
 import requests
 import torch
 
+from glmkit.launch.cluster import free_port
 from glmkit.model import RolloutEngine, load_model
 from glmkit.model.rollout import SamplingParams
 from glmkit.serve.client import SGLangClient, SGLangError, SGLangRollout, decode_layers, write_weights_dir
@@ -99,14 +100,6 @@ def push_scaled_head(client, push, version):
     scaled, reported = teacher_logprobs(client)
     assert reported == version and (scaled - base).abs().max() > 1e-2
     return base, head
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_generate_answers_in_sglang_shapes(server):

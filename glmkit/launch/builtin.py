@@ -27,9 +27,7 @@ a group starts).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
 import sys
 
 METRICS_PREFIX = "GLMKIT_METRICS "
@@ -75,33 +73,22 @@ class RolloutWorker:
     def receive(self, announced: list) -> int:
         """The tensors trainer 0 broadcasts over the weights-update group, as announced [(name, dtype,
         shape)], loaded into this actor's model."""
-        import torch
-        import torch.distributed as dist
-
-        from glmkit.rl.parallel import collective_device
+        from glmkit.rl.parallel import collective_device, receive_announced
 
         device = collective_device(self.update_group)
-        tensors = {name: torch.empty(shape, dtype=getattr(torch, dtype), device=device)
-                   for name, dtype, shape in announced}
-        for t in tensors.values():  # the announced order is the order trainer 0 sends in
-            dist.broadcast(t, src=0, group=self.update_group)
-        return self.load(tensors)
+        return self.load(receive_announced(announced, device, self.update_group))
 
 
 def join_world(master: str, world: int, rank: int, trainers: int, backend: str):
     """Join the run's torch.distributed world (trainer ranks 0..trainers-1, rollout actors after) ->
     (the trainers' group, the weights-update group of trainer 0 and the rollout actors); every member
     creates both groups, in this order, as torch requires."""
-    import torch
     import torch.distributed as dist
 
-    from glmkit.launch.commands import NO_MULTICAST
+    from glmkit.rl.parallel import init_group
 
-    os.environ.update(NO_MULTICAST)  # before NCCL reads its environment
-    if backend == "nccl":
-        torch.cuda.set_device(0)  # the one GPU Ray gave this actor
-    dist.init_process_group(backend, init_method=f"tcp://{master}", world_size=world, rank=rank,
-                            timeout=datetime.timedelta(seconds=600))
+    # GPU 0: the one Ray gave this actor
+    init_group(backend, 0, init_method=f"tcp://{master}", world_size=world, rank=rank)
     trainer_group = dist.new_group(list(range(trainers)))
     update_group = dist.new_group([0, *range(trainers, world)])
     return trainer_group, update_group
@@ -142,16 +129,11 @@ class RayRollout:
             ref = ray.put({name: t.detach().cpu() for name, t in tensors.items()})
             self._get([(name, actor.load.remote(ref)) for name, actor in zip(self.names, self.actors)])
             return
-        import torch.distributed as dist
+        from glmkit.rl.parallel import announce, collective_device, send_announced
 
-        from glmkit.rl.parallel import collective_device
-
-        device = collective_device(self.update_group)
-        ordered = [(name, t.detach().to(device).contiguous()) for name, t in tensors.items()]
-        announced = [(name, str(t.dtype).removeprefix("torch."), list(t.shape)) for name, t in ordered]
+        ordered, announced = announce(tensors, collective_device(self.update_group))
         calls = [(name, actor.receive.remote(announced)) for name, actor in zip(self.names, self.actors)]
-        for _, t in ordered:
-            dist.broadcast(t, src=0, group=self.update_group)
+        send_announced(ordered, self.update_group)
         self._get(calls)
 
 
@@ -177,14 +159,12 @@ class TrainerWorker:
 
     def address(self) -> str:
         """host:port for the world's rendezvous: this actor's node address and a port free there."""
-        import socket
-
         import ray
 
+        from glmkit.launch.cluster import free_port
+
         host = ray.util.get_node_ip_address()
-        with socket.socket() as s:
-            s.bind((host, 0))
-            return f"{host}:{s.getsockname()[1]}"
+        return f"{host}:{free_port(host)}"
 
     def start(self, master: str | None = None, world: int = 0, rank: int = 0, trainers: int = 0,
               backend: str = "gloo") -> str:

@@ -31,9 +31,10 @@ class ClusterUnreachable(ConnectionError):
     """Nothing answered at the address (after retries), or it is not a Ray address."""
 
 
-def _free_port() -> int:
+def free_port(host: str = LOOPBACK) -> int:
+    """A port nothing listens on at `host` now (the OS picks it; another process may take it later)."""
     with socket.socket() as s:
-        s.bind((LOOPBACK, 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -67,7 +68,7 @@ class LocalHead:
 
     @classmethod
     def start(cls, num_cpus: int = 2, num_gpus: int | None = None, timeout: float = 120.0) -> "LocalHead":
-        gcs, dash, client = _free_port(), _free_port(), _free_port()
+        gcs, dash, client = free_port(), free_port(), free_port()
         # short: Ray's unix socket paths must fit in 107 bytes
         temp_dir = tempfile.mkdtemp(prefix="glmray-", dir="/tmp")
         ray = shutil.which("ray", path=str(Path(sys.executable).parent)) or shutil.which("ray")

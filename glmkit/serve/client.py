@@ -131,30 +131,26 @@ class SGLangClient:
         """Announce names, dtypes and shapes over HTTP and broadcast the tensors from rank 0 meanwhile."""
         import threading
 
-        import torch.distributed as dist
-
         group = getattr(self, "update_group", None)
         if group is None:
             raise ValueError("call init_weights_update_group first")
-        from glmkit.rl.parallel import collective_device
+        from glmkit.rl.parallel import announce, collective_device, send_announced
 
-        device = collective_device()
-        ordered = [(name, t.detach().to(device).contiguous()) for name, t in tensors.items()]
+        ordered, announced = announce(tensors, collective_device())
+        names, dtypes, shapes = (list(column) for column in zip(*announced)) if announced else ([], [], [])
         answer, error = {}, []
 
         def ask():
             try:
                 answer.update(self._call("POST", "/update_weights_from_distributed", {
-                    "names": [n for n, _ in ordered], "dtypes": [str(t.dtype).replace("torch.", "") for _, t in ordered],
-                    "shapes": [list(t.shape) for _, t in ordered], "group_name": group,
+                    "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group,
                     "weight_version": weight_version}))
             except Exception as err:  # noqa: BLE001 - re-raised below
                 error.append(err)
 
         asking = threading.Thread(target=ask)
         asking.start()
-        for _, t in ordered:
-            dist.broadcast(t, src=0)
+        send_announced(ordered)
         asking.join()
         if error:
             raise error[0]

@@ -256,18 +256,15 @@ class EngineService:
         """The tensors rank 0 broadcasts, allocated from the announced dtypes and shapes."""
         import torch.distributed as dist
 
+        from glmkit.rl.parallel import receive_announced
+
         if self.update_group is None or body.group_name != self.update_group:
             raise BadRequest(f"no weights-update group {body.group_name!r} (call /init_weights_update_group first)")
         device = self.model.device if dist.get_backend() == "nccl" else "cpu"
-        tensors = {}
-        for name, dtype, shape in zip(body.names, body.dtypes, body.shapes):
-            kind = getattr(torch, dtype.replace("torch.", ""), None)
-            if not isinstance(kind, torch.dtype):
-                raise BadRequest(f"tensor {name!r}: unknown dtype {dtype!r}")
-            tensors[name] = torch.empty(shape, dtype=kind, device=device)
-        for t in tensors.values():  # the order is the request's: rank 0 sends in the same order
-            dist.broadcast(t, src=0)
-        return tensors
+        try:  # the order is the request's: rank 0 sends in the same order
+            return receive_announced(zip(body.names, body.dtypes, body.shapes), device)
+        except ValueError as err:  # an unknown dtype, before anything is received
+            raise BadRequest(str(err)) from None
 
     def tensors_from_blobs(self, blobs: list[str]) -> dict:
         from safetensors.torch import load
