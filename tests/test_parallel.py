@@ -164,6 +164,20 @@ def test_rollout_buffer_round_trips_exactly_and_refuses_garbage():
             "glmkit_rollout": json.dumps([{"finish_reason": "stop", "routing": None, "topk": None}])}))
 
 
+def test_announced_weights_name_their_dtypes_and_an_unknown_one_is_refused_first():
+    """announce lists every tensor's name, dtype and shape in the order sent; a receiver refuses a dtype
+    torch does not have (or any other attribute of torch) by the tensor's name, before receiving."""
+    from glmkit.rl.parallel import announce, receive_announced
+
+    tensors = {"b": torch.ones(2, 3, dtype=torch.bfloat16), "a": torch.arange(4).view(2, 2).t()}
+    ordered, announced = announce(tensors, "cpu")
+    assert announced == [("b", "bfloat16", [2, 3]), ("a", "int64", [2, 2])]
+    assert [n for n, _ in ordered] == ["b", "a"] and all(t.is_contiguous() for _, t in ordered)
+    for bad in ("float33", "__class__", "nn"):
+        with pytest.raises(ValueError, match=f"tensor 'w': unknown dtype '{bad}'"):
+            receive_announced([("w", bad, [2])], "cpu")
+
+
 def test_shares_cover_every_sample_once_in_order():
     for n in (1, 7, 32, 64):
         for world in (1, 2, 3, 8):
