@@ -4,6 +4,8 @@ separate layout (N trainer ranks and a rollout actor as Ray actors), on the same
     python benchmarks/bench_data_parallel.py [--ranks 2] [--backend gloo|nccl] [--out FILE.json] \
         -- [glmkit train arguments, e.g. --model-name tiny --num-rollout 4]
     python benchmarks/bench_data_parallel.py --layout separate [--ranks 1] [--gpus [--bundle-gpu 0.5]] -- ...
+    ... [--only one|other --out FILE.json]   one side alone (a device command's time limit), then
+    python benchmarks/bench_data_parallel.py --compare ONE.json OTHER.json    the comparison of the two
 
 data-parallel (default): `glmkit train` once in one process and once as `torchrun --nproc-per-node N
 ... --data-parallel BACKEND` (on GPUs: `--backend nccl --device cuda`, one GPU a rank; gloo lets the
@@ -95,22 +97,33 @@ def main(argv=None):
     parser.add_argument("--gpus", action="store_true", help="separate: the bundles are GPUs")
     parser.add_argument("--bundle-gpu", type=float, default=1.0, help="separate, --gpus: the GPU a bundle holds")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--only", choices=("one", "other"), default=None,
+                        help="run one side alone and write its rows to --out (compare later with --compare)")
+    parser.add_argument("--compare", nargs=2, metavar=("ONE", "OTHER"), default=None,
+                        help="compare two --only outputs instead of running anything")
     parser.add_argument("train_args", nargs="*", help="glmkit train arguments (after --)")
     args = parser.parse_args(argv)
     train_args = args.train_args or ["--model-name", "tiny", "--num-rollout", "4"]
-    with tempfile.TemporaryDirectory() as tmp:
-        result = {"command": " ".join(sys.argv), "layout": args.layout, "ranks": args.ranks, "backend": args.backend,
-                  "runs": {}}
-        rows = {}
-        other = f"{args.ranks} ranks" if args.layout == "data-parallel" else f"separate, {args.ranks} trainer(s)"
-        for name, ranks in (("one process", 0), (other, args.ranks)):
-            metrics = Path(tmp) / f"{ranks}.jsonl"
-            wall = run(train_args, metrics, ranks, args.backend, args.layout, args.bundle_gpu if args.gpus else None,
-                       label=name)
-            rows[name] = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-            result["runs"][name] = {"wall_s": wall, **summary(rows[name])}
-        one, many = rows.values()
-        worst = {}
+    other = f"{args.ranks} ranks" if args.layout == "data-parallel" else f"separate, {args.ranks} trainer(s)"
+    sides = {"one": ("one process", 0), "other": (other, args.ranks)}
+    result = {"command": " ".join(sys.argv), "layout": args.layout, "ranks": args.ranks, "backend": args.backend,
+              "runs": {}, "rows": {}}
+    if args.compare:
+        for path in args.compare:
+            part = json.loads(Path(path).read_text())
+            result["runs"].update(part["runs"])
+            result["rows"].update(part["rows"])
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            for name, ranks in [sides[args.only]] if args.only else sides.values():
+                metrics = Path(tmp) / f"{ranks}.jsonl"
+                wall = run(train_args, metrics, ranks, args.backend, args.layout,
+                           args.bundle_gpu if args.gpus else None, label=name)
+                result["rows"][name] = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+                result["runs"][name] = {"wall_s": wall, **summary(result["rows"][name])}
+    worst = {}
+    if len(result["rows"]) == 2:
+        one, many = result["rows"].values()
         for a, b in zip(one, many):
             for key, value in a.items():
                 if key.startswith(("train/", "rollout/")) and isinstance(value, float) and isinstance(b.get(key), float):
