@@ -582,7 +582,7 @@ class GRPOTrainer:
         loss = pg_loss - cfg.entropy_coef * entropy
         on_device = {"train/pg_loss": pg_loss, "total_loss": loss, "train/entropy_loss": entropy,
                      "train/pg_clipfrac": share_of_mean(clipped, m, sub_of),
-                     "train/ppo_kl": share_of_mean(kl_tok, m, sub_of)}
+                     "train/ppo_kl": share_of_mean(kl_tok.detach(), m, sub_of)}
         if self.reference is not None:
             kl = share_of_mean(grpo.kl_estimate(out.logprobs, batch["ref_logp"][sub_rows].to(m.device),
                                                 cfg.kl_loss_type), m, sub_of)
