@@ -495,18 +495,16 @@ class GRPOTrainer:
                 "rollout_logp": rollout_logp, "routing": routing, "topk": topk,
                 "adv_tok": advantages[packed.seq_index.cpu()]}
 
-    def _sum(self, *values) -> list[float]:
-        """Python floats and 0-d tensors (those on one device) summed over the ranks, themselves in one
-        process: one read-back and, under data parallelism, one all-reduce for all of them."""
-        tensors = [v.detach().reshape(()).double() for v in values if torch.is_tensor(v)]
-        floats = torch.tensor([float(v) for v in values if not torch.is_tensor(v)], dtype=torch.float64)
+    def _sum(self, on_device: dict, on_host: dict) -> dict:
+        """Named 0-d tensors (on one device) and Python numbers, each summed over the ranks (itself in
+        one process): one read-back and, under data parallelism, one all-reduce for all of them."""
         device = self.dp.device if self.dp is not None else torch.device("cpu")
-        stacked = torch.cat([torch.stack(tensors).to(device) if tensors else floats[:0].to(device), floats.to(device)])
+        values = torch.tensor([float(v) for v in on_host.values()], dtype=torch.float64).to(device)
+        if on_device:
+            values = torch.cat([torch.stack([v.detach().double() for v in on_device.values()]).to(device), values])
         if self.dp is not None:
-            stacked = self.dp.sum_tensor(stacked)
-        summed = iter(stacked.tolist())
-        on_device, on_host = [next(summed) for _ in tensors], list(summed)
-        return [on_device.pop(0) if torch.is_tensor(v) else on_host.pop(0) for v in values]
+            values = self.dp.sum_tensor(values)
+        return dict(zip([*on_device, *on_host], values.tolist()))
 
     @torch.no_grad()
     def recompute(self, batch: dict):
@@ -551,7 +549,7 @@ class GRPOTrainer:
         num = len(ids)
         # every loss term and metric is a mean over the step's samples of each sample's token mean: this
         # rank adds its samples' means and divides by the samples (with a response token) of all ranks
-        present = self._sum(grpo.samples_present(sub_mask, sub_of_cpu, num))[0]
+        present = self._sum({}, {"present": grpo.samples_present(sub_mask, sub_of_cpu, num)})["present"]
 
         def share_of_mean(values, mask, sample_of):
             total = grpo.sample_total(values, mask, sample_of, num)
@@ -593,8 +591,7 @@ class GRPOTrainer:
         if self.dp is not None:
             self.dp.sum_gradients(self.trainable)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, cfg.clip_grad)
-        names = [*on_device, *on_host]
-        sums = dict(zip(names, self._sum(*on_device.values(), *on_host.values())))  # all metrics: one reduce
+        sums = self._sum(on_device, on_host)  # every metric: one reduce
         total_loss = sums.pop("total_loss")
         if "routing_rows" in sums:
             sums["train/routing_mismatch_frac"] = sums.pop("routing_differs") / max(1, sums.pop("routing_rows"))

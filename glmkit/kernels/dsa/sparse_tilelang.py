@@ -49,7 +49,7 @@ except ImportError as err:  # the message names the package a user installs
 
 from glmkit.kernels.dsa import absorbed, key_blocks, sparse_triton  # noqa: E402 (after the package check)
 
-LOG2E = 1.4426950408889634
+LOG2E = sparse_triton.LOG2E
 LN2 = 0.6931471805599453
 HEADS_PER_PROGRAM = 64  # wgmma's M: one warpgroup's row tile
 RANK = 512
