@@ -21,6 +21,8 @@ git clone -q "$top" "$work/clone"
 mkdir "$work/site"
 xz -dc "$work/clone/.gpu/site.tar.xz" | tar -C "$work/site" -xf -
 rm -rf "$work"/site/ray/{jars,rllib,data,serve,llm,tune,train}
+# the bundle tool drops file modes; Ray starts these two as programs
+chmod +x "$work"/site/ray/core/src/ray/gcs/gcs_server "$work"/site/ray/core/src/ray/raylet/raylet
 rm -rf "$top/.gpu-ray" && mkdir "$top/.gpu-ray"
 cp "$work/clone/.gpu/key" "$work/clone/.gpu/prelude.sh" "$work/clone/.gpu/wheels.txt" "$top/.gpu-ray/"
 tar -C "$work/site" -cf - . | xz -9 -T0 > "$top/.gpu-ray/site.tar.xz"

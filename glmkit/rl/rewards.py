@@ -7,7 +7,7 @@
   against the label (itself unboxed when it is `\\boxed{..}`) by symbolic / numeric equivalence
   (math-verify). Score 1.0 or 0.0.
 - `math`: the same answer rule over the whole response. Score 1.0 or 0.0.
-- `dapo`: in the final 300 characters, the last match of `(?i)Answer\s*:\s*([^\n]+)`, end-of-text
+- `dapo`: in the final 300 characters, the last match of `(?i)Answer\\s*:\\s*([^\\n]+)`, end-of-text
   markers (`<|endoftext|>`, `<|im_end|>`, any `<|...|>` token, `</s>`) removed, normalised, and
   compared with the label as `str(int(float(label)))` (the label's normal form when it is not a
   number). Score +1.0 or -1.0.
