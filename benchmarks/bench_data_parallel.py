@@ -111,8 +111,11 @@ def main(argv=None):
     if args.compare:
         for path in args.compare:
             part = json.loads(Path(path).read_text())
-            result["runs"].update(part["runs"])
-            result["rows"].update(part["rows"])
+            for name in part["rows"]:
+                # two runs of one side (e.g. one process twice: the run-to-run noise) keep both
+                label = name if name not in result["rows"] else f"{name} [{Path(path).stem}]"
+                result["runs"][label], result["rows"][label] = part["runs"][name], part["rows"][name]
+                result.setdefault("side_commands", {})[label] = part["command"]
     else:
         with tempfile.TemporaryDirectory() as tmp:
             for name, ranks in [sides[args.only]] if args.only else sides.values():

@@ -1,12 +1,14 @@
 """The GPU benchmark's setup, checked on the CPU so a device run is not spent finding a wiring bug:
 the model synthesised in place equals the synthesised checkpoint, and the transformers reference
-built over glmkit's tensors computes the same logits."""
+built over glmkit's tensors computes the same logits; the data-parallel benchmark's comparison."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from glmkit.checkpoint.synth import synth_checkpoint, synth_model
@@ -63,3 +65,29 @@ def test_layer_sweep_runs_on_the_cpu_and_writes_its_json(tmp_path):
     assert [row["layer"] for row in data["layers"]] == [0, 1, 2, 3]
     assert all(row["rel_rms"] < 0.2 for row in data["layers"])
     assert data["layers"][3]["kind"] == "dsa" and "experts_same" in data["layers"][3]
+
+
+def test_data_parallel_compare_keeps_two_runs_of_one_side_apart(tmp_path, capsys):
+    """`bench_data_parallel.py --compare` on two files of the same side (one process run twice: the
+    run-to-run noise a GPU comparison is read against) labels the second by its file and reports the
+    largest difference per metric; perf/* keys are not compared."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_data_parallel.py"
+    spec = importlib.util.spec_from_file_location("bench_data_parallel", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+
+    def side(grad_norm, kl, step_time):
+        rows = [{"train/grad_norm": grad_norm, "train/ppo_kl": kl},
+                {"perf/step_time": step_time, "perf/sync_time": 0.01, "rollout/raw_reward": 0.5}]
+        return {"runs": {"one process": bench.summary(rows)}, "rows": {"one process": rows}}
+
+    a, b = tmp_path / "first.json", tmp_path / "second.json"
+    a.write_text(json.dumps(side(1.0, 0.002, 2.0)))
+    b.write_text(json.dumps(side(1.5, -0.001, 3.0)))
+    out = tmp_path / "both.json"
+    bench.main(["--compare", str(a), str(b), "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert list(result["rows"]) == ["one process", "one process [second]"]
+    assert result["largest_abs_difference"] == pytest.approx({"train/grad_norm": 0.5, "train/ppo_kl": 0.003,
+                                                              "rollout/raw_reward": 0.0})
+    assert "one process [second]" in capsys.readouterr().out
