@@ -115,7 +115,7 @@ def main(argv=None):
                 # two runs of one side (e.g. one process twice: the run-to-run noise) keep both
                 label = name if name not in result["rows"] else f"{name} [{Path(path).stem}]"
                 result["runs"][label], result["rows"][label] = part["runs"][name], part["rows"][name]
-                result.setdefault("side_commands", {})[label] = part["command"]
+                result.setdefault("side_commands", {})[label] = part.get("command")
     else:
         with tempfile.TemporaryDirectory() as tmp:
             for name, ranks in [sides[args.only]] if args.only else sides.values():

@@ -212,6 +212,8 @@ def main(argv=None) -> int:
     if args.bundle_gpu < 1 and not args.gpus:
         raise SystemExit("--bundle-gpu is a GPU fraction: it needs --gpus")
 
+    from glmkit.launch.commands import NO_MULTICAST
+
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -224,7 +226,9 @@ def main(argv=None) -> int:
 
     def share(fraction, index):
         resources = {"num_gpus": fraction * args.bundle_gpu, "num_cpus": 0} if args.gpus else {"num_cpus": fraction}
-        return dict(**resources, scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index))
+        # NVLink multicast off in every actor, whichever cluster and job runtime env they start in
+        return dict(**resources, runtime_env={"env_vars": dict(NO_MULTICAST)},
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index))
 
     names = [f"glmkit-rollout-{i}" for i in range(n)]
     rollout_cls, trainer_cls = ray.remote(RolloutWorker), ray.remote(TrainerWorker)

@@ -233,22 +233,22 @@ class EngineService:
 
     def join_update_group(self, body) -> str:
         """Join the trainer's weights-update process group (the trainer is rank 0)."""
-        import datetime
-        import os
-
         import torch.distributed as dist
+
+        from glmkit.rl.parallel import init_group
 
         if self.update_group is not None or dist.is_initialized():
             raise BadRequest(f"this server already joined a weights-update group ({self.update_group})")
         if body.rank_offset >= body.world_size:
             raise BadRequest(f"rank_offset {body.rank_offset} must be below world_size {body.world_size}")
-        if body.backend == "nccl":
-            if not torch.cuda.is_available():
-                raise BadRequest("backend nccl needs CUDA; this server has none (use gloo)")
-            os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off (shared hosts)
-        dist.init_process_group(body.backend, init_method=f"tcp://{body.master_address}:{body.master_port}",
-                                world_size=body.world_size, rank=body.rank_offset,
-                                timeout=datetime.timedelta(seconds=body.timeout_s))
+        if body.backend == "nccl" and not torch.cuda.is_available():
+            raise BadRequest("backend nccl needs CUDA; this server has none (use gloo)")
+        if body.backend == "nccl" and self.model.device.type != "cuda":
+            raise BadRequest(f"backend nccl needs the model on a GPU; this server's is on {self.model.device} (use gloo)")
+        # NVLink multicast off (every variable of it) and the model's GPU picked, as in every group the kit joins
+        gpu = (self.model.device.index or 0) if self.model.device.type == "cuda" else 0
+        init_group(body.backend, gpu, body.timeout_s, init_method=f"tcp://{body.master_address}:{body.master_port}",
+                   world_size=body.world_size, rank=body.rank_offset)
         self.update_group = body.group_name
         return f"joined {body.group_name} as rank {body.rank_offset} of {body.world_size} ({body.backend})"
 
