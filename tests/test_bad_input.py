@@ -170,6 +170,47 @@ def test_lr_inf_is_refused_before_training(runs):
 
 
 @case
+def train_values(folder, tiny, sharded):
+    def train(*extra):
+        return ["train", "--metrics-out", folder / "m.jsonl", *extra]
+    return [train("--rollout-temperature", "1e-300"), train("--eps-clip", "-1"), train("--kl-loss-coef", "-1"),
+            train("--save-interval", "-3", "--save", folder / "ck")]
+
+
+def test_train_values_out_of_range_name_the_allowed_range(runs):
+    folder, (temperature, clip, kl, interval) = runs("train_values")
+    assert error(temperature) == ("glmkit train: error: --rollout-temperature 1e-300: GRPO needs >= 1e-06 (log-probs "
+                                  "are those of softmax(logits / T); below it sampling is greedy)")
+    assert error(clip) == "glmkit train: error: --eps-clip must be >= 0, got -1.0"
+    assert error(kl) == "glmkit train: error: --kl-loss-coef must be >= 0, got -1.0"
+    assert error(interval) == "glmkit train: error: --save-interval must be >= 0, got -3"
+    assert os.listdir(folder) == []
+
+
+@case
+def overwrite_bad_inputs(folder, tiny, sharded):
+    """An earlier run's metrics (rows glmkit writes) and --overwrite with an input that cannot work."""
+    for name in ("data", "tokenizer", "checkpoint"):
+        (folder / name).mkdir()
+        (folder / name / "m.jsonl").write_text('{"train/step": 0, "train/grad_norm": 1.0}\n')
+    common = ["train", "--model-name", "tiny", "--overwrite"]
+    return [[*common, "--metrics-out", folder / "data" / "m.jsonl", "--prompt-data", folder / "missing.jsonl"],
+            [*common, "--metrics-out", folder / "tokenizer" / "m.jsonl", "--tokenizer", folder],
+            [*common, "--metrics-out", folder / "checkpoint" / "m.jsonl", "--checkpoint", folder]]
+
+
+def test_overwrite_removes_nothing_when_an_input_is_bad(runs):
+    """--overwrite clears an earlier run only once this run's inputs are known good: a missing prompt
+    file, a folder without a tokenizer, a folder without a checkpoint each leave the metrics in place."""
+    folder, (data, tokenizer, checkpoint) = runs("overwrite_bad_inputs")
+    assert "missing.jsonl: no such file" in error(data)
+    assert "no tokenizer in" in error(tokenizer)
+    assert error(checkpoint).startswith("glmkit train: error: ")
+    for name in ("data", "tokenizer", "checkpoint"):
+        assert (folder / name / "m.jsonl").read_text() == '{"train/step": 0, "train/grad_norm": 1.0}\n', name
+
+
+@case
 def index_entry(folder, tiny, sharded):
     return [["ckpt", "info", edit_index(copy_ckpt(sharded, folder / "ck"), 5)]]
 
@@ -423,3 +464,35 @@ def test_stale_staging_directories_are_cleaned(runs):
     assert sorted(n.rsplit("-", 1)[1] for n in left if n.startswith(".ck.tmp-")) == ["abcdefgh", "unmarked"]
     assert len([n for n in left if n.startswith(".other.tmp-")]) == 1 and len(left) == 3
     assert len(open_checkpoint(folder / "ck").text_keys()) == 132
+
+
+def test_tokenizer_folder_naming_custom_code_never_runs_it(tmp_path, monkeypatch):
+    """A tokenizer_config.json whose class exists only in a module of the folder (auto_map):
+    transformers would ask to run that module, and run it on "y"; glmkit refuses the folder, naming
+    it, with the code never imported, even with a "y" waiting on standard input."""
+    import io
+
+    from glmkit.rl.tokenizer import TINY_TOKENIZER, load_tokenizer
+
+    folder = tmp_path / "tok"
+    shutil.copytree(TINY_TOKENIZER, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["tokenizer_class"], config["auto_map"] = "Evil", {"AutoTokenizer": ["evil.Evil", "evil.Evil"]}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    ran = tmp_path / "ran"
+    (folder / "evil.py").write_text(f"open({str(ran)!r}, 'w').close()\n"
+                                    "from transformers import PreTrainedTokenizerFast as Evil\n")
+    monkeypatch.setattr(sys, "stdin", io.StringIO("y\n"))
+    with pytest.raises(ValueError, match=f"tokenizer in {folder} cannot be read: "):
+        load_tokenizer(folder)
+    assert not ran.exists()
+
+
+def test_corrupt_tokenizer_file_names_its_folder(tmp_path):
+    from glmkit.rl.tokenizer import TINY_TOKENIZER, load_tokenizer
+
+    folder = tmp_path / "tok"
+    shutil.copytree(TINY_TOKENIZER, folder)
+    (folder / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ValueError, match=f"tokenizer in {folder} cannot be read: "):
+        load_tokenizer(folder)

@@ -25,9 +25,13 @@ from glmkit.model.moe import grouped_mm_available
 from glmkit.model.packed import pack, to_device
 
 
+GREEDY_BELOW = 1e-6  # SGLang's _SAMPLING_EPS: temperatures below it sample greedily
+
+
 @dataclass
 class SamplingParams:
-    """temperature 0 = greedy. top_p in (0, 1]. Stop tokens end a request and are kept in its output."""
+    """temperature 0 = greedy (and any below GREEDY_BELOW, as SGLang samples: 1 / T would overflow).
+    top_p in (0, 1]. Stop tokens end a request and are kept in its output."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -657,7 +661,7 @@ def _host_tokens(tokens: torch.Tensor, logprobs: torch.Tensor) -> tuple[list, li
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, V] -> (tokens [B], log-prob of each under softmax(logits / T), untruncated)."""
-    if params.temperature == 0:
+    if params.temperature < GREEDY_BELOW:
         logp = torch.log_softmax(logits.float(), -1)
         tokens = logp.argmax(-1)
     else:

@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
+from glmkit.model.rollout import GREEDY_BELOW
 from glmkit.outputs import MARKER, check_dir_out, check_file_out, is_glmkit_output, staging_dir
 from glmkit.rl import grpo
 from glmkit.rl.lora import DEFAULT_EXCLUDE
@@ -109,9 +110,12 @@ class TrainConfig:
             raise ValueError("--save-interval needs --save DIR")
         if cfg.resume and cfg.overwrite:
             raise ValueError("--resume continues a run and --overwrite replaces it: give one of them")
-        if cfg.rollout_temperature <= 0:
-            raise ValueError(f"--rollout-temperature {cfg.rollout_temperature}: GRPO needs > 0 (log-probs are "
-                             f"those of softmax(logits / T))")
+        if not cfg.rollout_temperature >= GREEDY_BELOW:
+            raise ValueError(f"--rollout-temperature {cfg.rollout_temperature}: GRPO needs >= {GREEDY_BELOW} "
+                             f"(log-probs are those of softmax(logits / T); below it sampling is greedy)")
+        for name in ("eps_clip", "eps_clip_high", "kl_loss_coef", "save_interval"):
+            if getattr(cfg, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(cfg, name)}")
         for name in ("num_rollout", "rollout_batch_size", "n_samples_per_prompt", "global_batch_size",
                      "max_nonfinite_steps", "rollout_max_response_len"):
             if getattr(cfg, name) < 1:
@@ -326,6 +330,7 @@ class GRPOTrainer:
         `dp`: a `glmkit.rl.parallel.DataParallel` (or made from the environment when
         cfg.data_parallel is set): this process is one trainer rank; rank 0 alone rolls out, writes
         metrics and checkpoints."""
+        from glmkit.checkpoint import open_checkpoint
         from glmkit.model import TrainPath, load_model
         from glmkit.rl import lora
         from glmkit.rl.data import load_prompts
@@ -344,9 +349,6 @@ class GRPOTrainer:
                              f"--global-batch-size is {cfg.global_batch_size}")
         self.dp = dp
         self.lead = dp is None or dp.rank == 0  # the rank that rolls out, writes and syncs
-        # before anything slow: a refused run fails at once
-        self.notes = _claim_outputs(cfg) if self.lead else []
-        latest = _latest(cfg) if cfg.resume else None  # a bad resume marker too
         data = Path(cfg.prompt_data)
         if not data.is_file():
             raise ValueError(f"--prompt-data {data}: " + ("is a directory; give a jsonl file" if data.is_dir()
@@ -360,6 +362,11 @@ class GRPOTrainer:
             raise ValueError(f"--prompt-data {cfg.prompt_data}: no usable prompts{first}")
         if cfg.prompt_pool:
             self.samples = self.samples[:cfg.prompt_pool]
+        open_checkpoint(cfg.checkpoint)  # names, shapes and dtypes from the headers, before the outputs are claimed
+        # every input checked first (--overwrite removes an earlier run only once this one can start),
+        # before anything slow: a refused run fails at once
+        self.notes = _claim_outputs(cfg) if self.lead else []
+        latest = _latest(cfg) if cfg.resume else None  # a bad resume marker too
         self.policy = load_model(cfg.checkpoint, dtype, cfg.device)
         self.lora_names = []
         if cfg.lora_rank:

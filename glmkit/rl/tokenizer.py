@@ -29,4 +29,7 @@ def load_tokenizer(checkpoint_dir: str | Path | None = None):
     if not has_tokenizer_files(directory):
         raise FileNotFoundError(f"no tokenizer in {directory}: expected one of {', '.join(TOKENIZER_FILES)} "
                                 f"(pass a tokenizer directory, or copy the model's tokenizer files there)")
-    return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    try:  # never the code a tokenizer folder may name (auto_map): it is data here
+        return AutoTokenizer.from_pretrained(str(directory), local_files_only=True, trust_remote_code=False)
+    except (ValueError, OSError, TypeError, KeyError) as err:  # a corrupt file: say which folder
+        raise ValueError(f"tokenizer in {directory} cannot be read: {str(err).splitlines()[0]}") from err
