@@ -210,6 +210,35 @@ def test_overwrite_removes_nothing_when_an_input_is_bad(runs):
         assert (folder / name / "m.jsonl").read_text() == '{"train/step": 0, "train/grad_norm": 1.0}\n', name
 
 
+def safetensors_with_header(path, header: bytes):
+    path.write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 16)
+    return path
+
+
+@case
+def hostile_json(folder, tiny, sharded):
+    deep = copy_ckpt(tiny, folder / "deep_config")
+    (deep / "config.json").write_text("[" * 100_000 + "]" * 100_000)
+    latin = copy_ckpt(tiny, folder / "latin_config")
+    (latin / "config.json").write_bytes(b"\xff\xfe{}")
+    safetensors_with_header(copy_ckpt(tiny, folder / "deep_header") / "model.safetensors",
+                            b"[" * 100_000 + b"]" * 100_000)
+    safetensors_with_header(copy_ckpt(tiny, folder / "string_offsets") / "model.safetensors",
+                            json.dumps({"w": {"dtype": "F32", "shape": [4], "data_offsets": ["0", "16"]}}).encode())
+    return [["ckpt", "info", deep], ["ckpt", "info", latin], ["ckpt", "info", folder / "deep_header"],
+            ["ckpt", "info", folder / "string_offsets"]]
+
+
+def test_hostile_json_is_refused_with_the_file_named(runs):
+    """Nesting deeper than Python's parser goes, a config that is not UTF-8, header offsets that are
+    strings: exit 2 with the file named, no traceback."""
+    folder, (deep, latin, deep_header, offsets) = runs("hostile_json")
+    assert f"{folder}/deep_config/config.json: unreadable JSON: maximum recursion depth" in error(deep)
+    assert f"{folder}/latin_config/config.json: not UTF-8 text" in error(latin)
+    assert f"{folder}/deep_header/model.safetensors: corrupt safetensors header" in error(deep_header)
+    assert "corrupt header entry for tensor w" in error(offsets) and "data_offsets ['0', '16']" in error(offsets)
+
+
 @case
 def index_entry(folder, tiny, sharded):
     return [["ckpt", "info", edit_index(copy_ckpt(sharded, folder / "ck"), 5)]]
@@ -496,3 +525,19 @@ def test_corrupt_tokenizer_file_names_its_folder(tmp_path):
     (folder / "tokenizer.json").write_text("{not json")
     with pytest.raises(ValueError, match=f"tokenizer in {folder} cannot be read: "):
         load_tokenizer(folder)
+
+
+def test_prompt_rows_too_deep_or_too_long_are_skipped_by_line(tmp_path):
+    """A label nested past the JSON parser's depth and an integer of 5000 digits (past Python's
+    int-parsing limit) are malformed rows like any other: skipped and reported by line."""
+    from glmkit.rl.data import load_prompts
+
+    data = tmp_path / "rows.jsonl"
+    data.write_text('{"prompt": "a", "label": ' + "[" * 100_000 + "]" * 100_000 + "}\n"
+                    '{"prompt": "b", "label": ' + "9" * 5000 + "}\n"
+                    '{"prompt": "1+1=", "label": "2"}\n')
+    with pytest.warns(UserWarning, match="skipped 2 malformed row"):
+        samples, problems = load_prompts(data, tokenizer=None, shuffle_seed=None)
+    assert [s.label for s in samples] == ["2"]
+    assert [p.line for p in problems] == [1, 2]
+    assert "maximum recursion depth" in str(problems[0]) and "4300 digits" in str(problems[1])

@@ -238,6 +238,7 @@ def test_prompts_prefilled_in_chunks_by_the_server_answer_as_alone(local_engine)
     ({"input_ids": [1, 2], "sampling_params": {"top_p": 0}}, "top_p"),
     ({"input_ids": [1, 2], "stream": True}, "stream"),
     ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 4095}}, "exceed this server's --max-context 4096"),
+    ({"input_ids": [1, 2], "sampling_params": {"sampling_seed": 2 ** 70}}, "sampling_seed"),
 ])
 def test_bad_requests_get_400_and_the_server_keeps_serving(server, body, needle):
     answer = post(server, "/generate", body)
@@ -245,6 +246,16 @@ def test_bad_requests_get_400_and_the_server_keeps_serving(server, body, needle)
     message = answer.json()["error"]["message"]
     assert needle in message, message
     assert requests.get(server.url + "/health", timeout=10).status_code == 200
+
+
+def test_a_temperature_too_small_to_divide_by_samples_greedily(server):
+    """SGLang's rule: below 1e-6 the temperature means greedy (1 / T would overflow the logits)."""
+    tiny_t = post(server, "/generate", {"input_ids": [1, 5, 11], "return_logprob": True,
+                                        "sampling_params": {"max_new_tokens": 4, "temperature": 1e-300}})
+    greedy = post(server, "/generate", {"input_ids": [1, 5, 11], "return_logprob": True,
+                                        "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
+    assert tiny_t.status_code == greedy.status_code == 200, tiny_t.text
+    assert tiny_t.json()["output_ids"] == greedy.json()["output_ids"]
 
 
 def test_malformed_json_and_control_endpoints(server):

@@ -87,13 +87,15 @@ class TensorInfo:
 
 def _read_json(file: Path) -> dict:
     try:
-        text = file.read_text()
+        text = file.read_text(encoding="utf-8")
     except OSError as e:
         raise CheckpointError(f"{file}: cannot read: {e}") from e
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{file}: not UTF-8 text: {e}") from e
     try:
         data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{file}: unreadable JSON: {e}") from e
+    except (ValueError, RecursionError) as e:  # ValueError: JSON errors and over-long integers
+        raise CheckpointError(f"{file}: unreadable JSON: {str(e)[:200]}") from e
     if not isinstance(data, dict):
         raise CheckpointError(f"{file}: expected a JSON object, found {type(data).__name__}")
     return data
@@ -138,8 +140,8 @@ def read_header(file: Path) -> dict[str, TensorInfo]:
             header = json.loads(fh.read(header_len))
     except OSError as e:
         raise CheckpointError(f"{file}: cannot read: {e}") from e
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{file}: corrupt safetensors header: {e}") from e
+    except (ValueError, RecursionError) as e:  # JSON / UTF-8 errors, nesting deeper than the parser goes
+        raise CheckpointError(f"{file}: corrupt safetensors header: {str(e)[:200]}") from e
 
     if not isinstance(header, dict):
         raise CheckpointError(f"{file}: corrupt safetensors header: not a JSON object")
@@ -151,6 +153,8 @@ def read_header(file: Path) -> dict[str, TensorInfo]:
             begin, end = entry["data_offsets"]
             dtype = _ST_DTYPES[entry["dtype"]]
             shape = tuple(int(s) for s in entry["shape"])
+            if not (type(begin) is int and type(end) is int and 0 <= begin <= end):
+                raise ValueError(f"data_offsets {entry['data_offsets']!r}: expected two integers, begin <= end")
         except (KeyError, TypeError, ValueError) as e:
             raise CheckpointError(f"{file}: corrupt header entry for tensor {name}: {e!r}") from e
         infos[name] = TensorInfo(file, dtype, shape, end - begin)

@@ -216,8 +216,8 @@ def hf_checkpoint_check(model: str, path) -> Check:
         return Check("HF checkpoint", False, f"{config_file} not found")
     try:
         config = json.loads(config_file.read_text())
-    except (ValueError, UnicodeDecodeError) as err:
-        return Check("HF checkpoint", False, f"{config_file} is not JSON: {err}")
+    except (ValueError, RecursionError) as err:  # RecursionError: nested deeper than Python's parser goes
+        return Check("HF checkpoint", False, f"{config_file} is not JSON: {str(err)[:80]}")
     if not isinstance(config, dict):
         return Check("HF checkpoint", False, f"{config_file} is not a JSON object")
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
@@ -288,7 +288,7 @@ def dataset_check(path, input_key: str = "prompt", label_key: str = "label", row
                 continue
             try:
                 row = json.loads(raw)
-            except (ValueError, UnicodeDecodeError) as err:
+            except (ValueError, RecursionError) as err:
                 return Check("dataset", False, f"{path} line {number}: not JSON ({str(err)[:80]})")
             if not isinstance(row, dict) or input_key not in row or label_key not in row:
                 keys = sorted(row)[:6] if isinstance(row, dict) else type(row).__name__

@@ -117,6 +117,8 @@ def parse_row(line: str, number: int, input_key: str, label_key: str, tokenizer,
         row = json.loads(line)
     except json.JSONDecodeError as err:
         raise RowError(f"not valid JSON ({err.msg} at column {err.colno})") from err
+    except (ValueError, RecursionError) as err:  # an integer of over 4300 digits, nesting past the parser's depth
+        raise RowError(f"not readable JSON ({str(err)[:80]})") from err
     if not isinstance(row, dict):
         raise RowError(f"a row must be a JSON object, not {_type_name(row)}")
     for key in (input_key, label_key):

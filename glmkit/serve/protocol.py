@@ -35,7 +35,7 @@ class SamplingParamsIn(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
     max_new_tokens: int = Field(128, ge=0)
     stop_token_ids: list[Annotated[int, Field(ge=0)]] = Field(default_factory=list)
-    sampling_seed: int | None = None
+    sampling_seed: int | None = Field(None, ge=-(2 ** 63), le=2 ** 64 - 1)  # what torch.Generator takes
 
 
 class GenerateRequest(BaseModel):

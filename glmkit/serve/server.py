@@ -429,7 +429,14 @@ class Batcher:
                 return
             with self.cond:
                 waiting = [it for it in self.pending if isinstance(it, Pending) and it.key() == key]
-            slots = service.open_slots(waiting, self.is_cancelled)
+            try:
+                slots = service.open_slots(waiting, self.is_cancelled)
+            except Exception as err:  # noqa: BLE001 - answered, not left queued to be retried forever
+                failed = self._take_same(key, len(waiting))
+                for it in failed:
+                    self._settle(it.future, error=err)
+                self._release(failed)
+                return
             closed = False  # once a request does not fit these slots, it waits first in line for the next batch
             while True:
                 fits = []
