@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -318,6 +319,26 @@ def test_weight_updates_change_the_logprobs(server, updates_root, tmp_path):
                                                         "load_format": "safetensors"})
     assert bad.status_code == 400 and "not base64 of a safetensors blob" in bad.json()["error"]["message"]
     assert logprobs()[1] == "disk-1"  # refused updates changed nothing
+
+
+def test_a_whole_checkpoint_updates_from_disk_and_a_link_out_of_the_root_is_refused(server, updates_root, tmp_path):
+    """A checkpoint folder (config.json + safetensors, the routed experts under their per-expert
+    names) loads as an update; the same folder with its weights file a link to a file outside the
+    allowed root is refused, unread."""
+    client = SGLangClient(server.url)
+    whole = updates_root / "whole"
+    shutil.copytree(CKPT, whole)
+    expected = len(load_model(CKPT).state_dict())
+    answer = client.update_weights_from_disk(whole, weight_version="whole-1")
+    assert f"updated {expected} tensor(s)" in answer["message"] and answer["weight_version"] == "whole-1"
+    linked = updates_root / "linked"
+    linked.mkdir()
+    shutil.copy(whole / "config.json", linked / "config.json")
+    shutil.copy(whole / "model.safetensors", tmp_path / "elsewhere.safetensors")
+    (linked / "model.safetensors").symlink_to(tmp_path / "elsewhere.safetensors")
+    with pytest.raises(SGLangError, match="HTTP 400: model.safetensors points outside"):
+        client.update_weights_from_disk(linked)
+    assert teacher_logprobs(client)[1] == "whole-1"
 
 
 def test_killed_server_gives_a_clear_error_and_a_retry_after_restart_works():

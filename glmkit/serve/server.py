@@ -212,8 +212,10 @@ class EngineService:
 
     # ---- weights -------------------------------------------------------------------------------
     def load_tensors(self, tensors: dict, version: str | None) -> str:
-        """Copy named tensors into the model, all checked before any is written."""
-        params = dict(self.model.named_parameters())
+        """Copy named tensors into the model, all checked before any is written. Names are the
+        model's parameters (the routed experts stacked) or its state-dict / checkpoint names (one
+        tensor per expert: views into the stacks)."""
+        params = {**self.model.state_dict(keep_vars=True), **dict(self.model.named_parameters())}
         unknown = sorted(set(tensors) - set(params))
         if unknown:
             raise BadRequest(f"{len(unknown)} tensor(s) are not parameters of this model, e.g. {unknown[0]!r}")
@@ -295,6 +297,9 @@ class EngineService:
     def _read_dir(directory: Path) -> dict:
         from safetensors import safe_open
 
+        outside = [f.name for f in directory.iterdir() if f.is_symlink() and f.resolve().parent != directory]
+        if outside:  # a checkpoint's files are read by name: none of them may lead out of the allowed root
+            raise BadRequest(f"{', '.join(sorted(outside)[:3])} points outside {directory}")
         if (directory / "config.json").is_file():
             from glmkit.checkpoint import open_checkpoint
 
