@@ -16,14 +16,21 @@ def _block_fla_on_cpu():
 
 
 def load_reference(path, dtype: torch.dtype = torch.float32, device="cpu"):
-    """Glm5NextForConditionalGeneration from an HF checkpoint directory, in eval mode."""
+    """Glm5NextForConditionalGeneration from an HF checkpoint directory, in eval mode. The folder is
+    checked by glmkit's reader first (safetensors only, every shard inside it, names and shapes), and
+    transformers reads it local-only, safetensors only: never a pickle, never the hub."""
     _block_fla_on_cpu()
     import transformers
     from transformers import Glm5NextForConditionalGeneration
 
+    from glmkit.checkpoint import open_checkpoint
+
+    open_checkpoint(path)
+
     transformers.logging.set_verbosity_error()  # its vision tower is absent from text checkpoints
     transformers.logging.disable_progress_bar()
-    model = Glm5NextForConditionalGeneration.from_pretrained(path, dtype=dtype)
+    model = Glm5NextForConditionalGeneration.from_pretrained(path, dtype=dtype, local_files_only=True,
+                                                             use_safetensors=True)
     return model.to(device).eval()
 
 

@@ -240,6 +240,26 @@ def test_hostile_json_is_refused_with_the_file_named(runs):
 
 
 @case
+def checkpoint_b(folder, tiny, sharded):
+    pickled = folder / "pickled"
+    pickled.mkdir()
+    shutil.copy(tiny / "config.json", pickled / "config.json")
+    torch.save({"lm_head.weight": torch.zeros(1)}, pickled / "pytorch_model.bin")
+    parity = ["parity", "--checkpoint", tiny, "--paths", "train,reference", "--seq-len", "8", "--checkpoint-b"]
+    return [[*parity, pickled], [*parity, "org/some-model"]]
+
+
+def test_checkpoint_b_is_checked_before_either_path_runs(runs):
+    """The reference path reads --checkpoint-b through glmkit's reader first: a pickle-only folder
+    and a hub name are refused (never unpickled, never downloaded), before path A runs."""
+    folder, (pickled, hub) = runs("checkpoint_b")
+    assert error(pickled) == (f"glmkit parity: error: {folder}/pickled: neither model.safetensors nor "
+                              f"model.safetensors.index.json found")
+    assert error(hub) == "glmkit parity: error: org/some-model: not a checkpoint directory"
+    assert pickled.stdout == hub.stdout == ""
+
+
+@case
 def index_entry(folder, tiny, sharded):
     return [["ckpt", "info", edit_index(copy_ckpt(sharded, folder / "ck"), 5)]]
 

@@ -83,6 +83,8 @@ def parity(checkpoint, paths=("reference", "train"), checkpoint_b=None, seq_len:
     from glmkit.checkpoint import open_checkpoint
 
     a, b = paths
+    if checkpoint_b is not None:  # checked (safetensors, names, shapes, files inside it) before path A runs
+        open_checkpoint(checkpoint_b)
     dumps = [load_capture(p) for p in paths if p not in LIVE_PATHS and not p.startswith(SGLANG_PREFIX)
              and Path(p).is_dir()]
     if dumps:
