@@ -561,3 +561,21 @@ def test_prompt_rows_too_deep_or_too_long_are_skipped_by_line(tmp_path):
     assert [s.label for s in samples] == ["2"]
     assert [p.line for p in problems] == [1, 2]
     assert "maximum recursion depth" in str(problems[0]) and "4300 digits" in str(problems[1])
+
+
+def test_a_text_config_of_another_type_and_a_fifo_shard_are_refused(tiny_ckpt, tmp_path):
+    """`text_config` that is not an object is named (not read as a flat config missing every
+    tensor); a FIFO in a shard's place is refused before it is opened (reading one blocks)."""
+    from glmkit.checkpoint import CheckpointError
+
+    typed = copy_ckpt(tiny_ckpt, tmp_path / "typed")
+    config = json.loads((typed / "config.json").read_text())
+    config["text_config"] = "x"
+    (typed / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="text_config must be a JSON object, found str"):
+        open_checkpoint(typed)
+    fifo = copy_ckpt(tiny_ckpt, tmp_path / "fifo")
+    (fifo / "model.safetensors").unlink()
+    os.mkfifo(fifo / "model.safetensors")
+    with pytest.raises(CheckpointError, match="model.safetensors: not a regular file"):
+        open_checkpoint(fifo)

@@ -127,6 +127,14 @@ def test_selections_from_a_file_drive_both_paths(tie_ckpt, tmp_path):
         read_selections(tmp_path / "flat.npy", config)
     with pytest.raises(ValueError, match="must be .safetensors or .npy"):
         read_selections(tmp_path / "sel.pt", config)
+    (tmp_path / "garbage.safetensors").write_bytes(b"garbage, not a safetensors file")
+    with pytest.raises(ValueError, match="garbage.safetensors: not a readable selections file"):
+        read_selections(tmp_path / "garbage.safetensors", config)
+    far = array.clone()
+    far[0, 0, 0] = 1_000_000
+    save_file({"indexer_topk": far}, str(tmp_path / "far.safetensors"))
+    with pytest.raises(ValueError, match=r"allowed: -1 \(empty\) or a token position below the"):
+        read_selections(tmp_path / "far.safetensors", config)
     with pytest.raises(ValueError, match="token rows; the input has"):
         parity(path, ("reference", "train"), seq_len=32, batch=1, replay_from=loaded)
 

@@ -106,6 +106,8 @@ def text_config_from_json(raw: dict, file: Path) -> Glm5NextTextConfig:
     model_type = raw.get("model_type")
     if model_type not in MODEL_TYPES:
         raise CheckpointError(f"{file}: model_type is {model_type!r}, expected 'glm5_next'")
+    if "text_config" in raw and not isinstance(raw["text_config"], dict):
+        raise CheckpointError(f"{file}: text_config must be a JSON object, found {type(raw['text_config']).__name__}")
     if isinstance(raw.get("text_config"), dict):
         fields = dict(raw["text_config"])
         # transformers ties lm_head from the top-level flag of the composite config.
@@ -126,6 +128,8 @@ def read_header(file: Path) -> dict[str, TensorInfo]:
     safetensors itself rejects a truncated header; the explicit size check also names the
     file when only the tensor data at the end is missing.
     """
+    if file.exists() and not file.is_file():  # a FIFO or a device would block or never end
+        raise CheckpointError(f"{file}: not a regular file")
     try:
         size = file.stat().st_size
         with open(file, "rb") as fh:

@@ -146,18 +146,27 @@ def read_selections(path, config) -> dict:
 
     path = Path(path)
     layers = None
-    if path.suffix == ".safetensors":
-        with safe_open(str(path), framework="pt") as f:
-            if "indexer_topk" not in f.keys():
-                raise ValueError(f"{path}: no tensor 'indexer_topk' (found: {', '.join(f.keys()) or 'none'})")
-            array = f.get_tensor("indexer_topk")
-            layers = f.get_tensor("layers").tolist() if "layers" in f.keys() else None
-    elif path.suffix == ".npy":
-        array = torch.from_numpy(np.load(path, allow_pickle=False))
-    else:
+    if path.suffix not in (".safetensors", ".npy"):
         raise ValueError(f"{path}: selections must be .safetensors or .npy, got {path.suffix or 'no suffix'!r}")
+    try:
+        if path.suffix == ".safetensors":
+            with safe_open(str(path), framework="pt") as f:
+                keys = list(f.keys())
+                if "indexer_topk" not in keys:
+                    raise ValueError(f"{path}: no tensor 'indexer_topk' (found: {', '.join(keys) or 'none'})")
+                array = f.get_tensor("indexer_topk")
+                layers = f.get_tensor("layers").tolist() if "layers" in keys else None
+        else:
+            array = torch.from_numpy(np.load(path, allow_pickle=False))
+    except ValueError:
+        raise
+    except Exception as err:  # noqa: BLE001 - safetensors' and numpy's errors for a corrupt file, named
+        raise ValueError(f"{path}: not a readable selections file ({type(err).__name__}: {err})") from None
     if array.dim() != 3 or array.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"{path}: expected int32 [tokens, DSA layers, k], got {array.dtype} {list(array.shape)}")
+    if array.numel() and (int(array.min()) < -1 or int(array.max()) >= array.shape[0]):
+        raise ValueError(f"{path}: selections range over [{int(array.min())}, {int(array.max())}]; allowed: -1 "
+                         f"(empty) or a token position below the {array.shape[0]} tokens")
     dsa = [i for i, kind in enumerate(layer_kinds(config)) if kind == "dsa"]
     layers = dsa if layers is None else layers
     if len(layers) != array.shape[1] or not set(layers) <= set(dsa):
