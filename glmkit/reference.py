@@ -25,7 +25,10 @@ def load_reference(path, dtype: torch.dtype = torch.float32, device="cpu"):
 
     from glmkit.checkpoint import open_checkpoint
 
-    open_checkpoint(path)
+    config = open_checkpoint(path).config
+    if config.n_routed_experts < 2:  # its router scores expert groups by their best two experts
+        raise ValueError(f"the transformers reference needs n_routed_experts >= 2 (its router takes the top-2 "
+                         f"experts of each group); this checkpoint has {config.n_routed_experts}")
 
     transformers.logging.set_verbosity_error()  # its vision tower is absent from text checkpoints
     transformers.logging.disable_progress_bar()

@@ -579,3 +579,20 @@ def test_a_text_config_of_another_type_and_a_fifo_shard_are_refused(tiny_ckpt, t
     os.mkfifo(fifo / "model.safetensors")
     with pytest.raises(CheckpointError, match="model.safetensors: not a regular file"):
         open_checkpoint(fifo)
+
+
+def test_shapes_a_path_cannot_take_are_refused_by_name(tmp_path):
+    """No shared expert: refused by the tensor list every reader and writer uses (it made zero-width
+    tensors); one routed expert: glmkit's paths take it, the transformers reference (top-2 experts
+    per group) is refused before it loads, instead of failing inside its router."""
+    from glmkit.config import variant_config
+    from glmkit.model import load_model
+    from glmkit.reference import load_reference
+
+    with pytest.raises(ValueError, match=r"n_shared_experts 0 is not supported; allowed: >= 1"):
+        synth_checkpoint(variant_config("tiny", n_shared_experts=0), 0, tmp_path / "none", progress=False)
+    one = synth_checkpoint(variant_config("tiny", n_routed_experts=1, num_experts_per_tok=1), 0, tmp_path / "one",
+                           progress=False)
+    assert load_model(one).layers[-1].mlp.experts.gate_up_proj.shape[0] == 1
+    with pytest.raises(ValueError, match="the transformers reference needs n_routed_experts >= 2"):
+        load_reference(one)

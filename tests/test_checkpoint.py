@@ -6,6 +6,7 @@ sys.modules.setdefault("fla", None)  # on a CPU machine fla would route KDA to T
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -449,3 +450,27 @@ def test_opens_transformers_sharded_save_with_vision(tmp_path):
     assert torch.equal(ck.get(TEXT_PREFIX + "layers.3.self_attn.kv_b_proj.weight"),
                        state[TEXT_PREFIX + "layers.3.self_attn.kv_b_proj.weight"])
     assert torch.equal(ck.get(TEXT_PREFIX + "layers.0.hc_ffn_fn"), state[TEXT_PREFIX + "layers.0.ffn_hc.fn"])
+
+
+def test_tied_embeddings_load_compute_the_reference_and_save_once(tmp_path):
+    """tie_word_embeddings: the checkpoint (written by transformers) holds no lm_head.weight; glmkit
+    loads lm_head as the embedding itself (one parameter), computes the reference's logits (fp32,
+    1e-4 relative, the bound of test_model_parity) and writes the embedding once, reloading equal."""
+    from glmkit.model import TrainPath, load_model, save_model
+    from glmkit.reference import load_reference, reference_logits
+    from tests.conftest import reference_checkpoint
+
+    path = reference_checkpoint(variant_config("tiny", tie_word_embeddings=True), seed=3, path=tmp_path / "tied")
+    model = load_model(path)
+    assert model.lm_head.weight is model.embed_tokens.weight
+    assert "lm_head.weight" not in dict(model.named_parameters())
+    seqs = [[5, 9, 13, 2, 7, 11, 40, 3]]
+    expected = reference_logits(load_reference(path), seqs)[0]
+    ours = TrainPath(model, "kda=torch").forward(seqs, return_logits=True).logits
+    assert ((expected - ours).norm() / expected.norm()).item() < 1e-4
+    saved = save_model(model, tmp_path / "saved")
+    with safe_open(str(Path(saved) / "model.safetensors"), "pt") as f:
+        assert "lm_head.weight" not in set(f.keys())
+    again = load_model(saved)
+    assert again.lm_head.weight is again.embed_tokens.weight
+    assert torch.equal(again.embed_tokens.weight, model.embed_tokens.weight)

@@ -110,6 +110,9 @@ def _swiglu(prefix: str, d: int, inner: int) -> dict[str, tuple[int, ...]]:
 
 def _moe(config: Glm5NextTextConfig) -> dict[str, tuple[int, ...]]:
     d, experts, inner = config.hidden_size, config.n_routed_experts, config.moe_intermediate_size
+    if config.n_shared_experts < 1:  # glm5_next's MoE always runs its shared expert (width I x n)
+        raise ValueError(f"n_shared_experts {config.n_shared_experts} is not supported; allowed: >= 1 "
+                         f"(GLM-5.3-Flash has 1)")
     shapes = {}
     for e in range(experts):
         shapes.update(_swiglu(f"mlp.experts.{e}.", d, inner))

@@ -20,6 +20,19 @@ class Glm5Model(nn.Module):
         self.layers = nn.ModuleList(DecoderBlock(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self):
+        """With `tie_word_embeddings`, lm_head is the embedding (one parameter; the checkpoint holds
+        no lm_head.weight), as transformers ties them."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def to_empty(self, *, device, recurse: bool = True):
+        # leaving the meta device makes new parameters: the tie is made again on them
+        model = super().to_empty(device=device, recurse=recurse)
+        model.tie_weights()
+        return model
 
     def hidden(self, input_ids: torch.Tensor, run: Run) -> torch.Tensor:
         """input_ids [T] (packed, or one per request when decoding) -> final hidden [T, D]."""
