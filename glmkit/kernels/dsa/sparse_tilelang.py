@@ -32,7 +32,7 @@ Shared memory: q 64 KiB, two key stages of 64 x 512 (128 KiB), p 8 KiB.
 FLOPs: useful work is 4 H R per (row, selected key) pair (`sparse_triton.useful_flops`); the kernel
 executes it for every slot of the blocks it visits.
 
-Backward: the Triton kernels of `sparse_triton` (they take the forward's output and lse).
+Backward: `sparse_triton.SparseMQATriton`'s (the Triton kernels take the forward's output and lse).
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ except ImportError as err:  # the message names the package a user installs
     raise ImportError(f"DSA backend 'tilelang' needs tilelang (pip install tilelang; CUDA SM90) ({err})") from err
 
 from glmkit.kernels.dsa import absorbed, key_blocks, sparse_triton  # noqa: E402 (after the package check)
+from glmkit.kernels.fuse import current_mode  # noqa: E402
 
 LOG2E = sparse_triton.LOG2E
 LN2 = 0.6931471805599453
@@ -242,22 +243,17 @@ def forward(q_lat, latent, idx, scale):
     return out, lse
 
 
-class SparseMQATileLang(torch.autograd.Function):
-    """q_lat [T, H, R], latent [T, R], idx [T, W] -> o_lat [T, H, R]; the TileLang forward, the
-    Triton backward (which takes the output and lse the forward saved)."""
+class SparseMQATileLang(sparse_triton.SparseMQATriton):
+    """q_lat [T, H, R], latent [T, R], idx [T, W] -> o_lat [T, H, R]; the TileLang forward, and
+    SparseMQATriton's backward (the Triton kernels, or the torch form where they are switched off),
+    which takes the output and lse saved here in the same layout."""
 
     @staticmethod
     def forward(ctx, q_lat, latent, idx, bounds, scale):
         out, lse = forward(q_lat, latent, idx, scale)
         ctx.save_for_backward(q_lat, latent, idx, out, lse)
-        ctx.scale = scale
+        ctx.bounds, ctx.scale, ctx.fuse = bounds, scale, current_mode()
         return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        q_lat, latent, idx, out, lse = ctx.saved_tensors
-        grad_q, grad_latent = sparse_triton.backward(q_lat, latent, idx, out, lse, grad_out, ctx.scale)
-        return grad_q, grad_latent, None, None, None
 
 
 def attend(q, latent, kv_b_weight, idx, bounds, scale):
