@@ -48,7 +48,6 @@ except ImportError as err:  # the message names the package a user installs
     raise ImportError(f"DSA backend 'tilelang' needs tilelang (pip install tilelang; CUDA SM90) ({err})") from err
 
 from glmkit.kernels.dsa import absorbed, key_blocks, sparse_triton  # noqa: E402 (after the package check)
-from glmkit.kernels.fuse import current_mode  # noqa: E402
 
 LOG2E = sparse_triton.LOG2E
 LN2 = 0.6931471805599453
@@ -250,10 +249,7 @@ class SparseMQATileLang(sparse_triton.SparseMQATriton):
 
     @staticmethod
     def forward(ctx, q_lat, latent, idx, bounds, scale):
-        out, lse = forward(q_lat, latent, idx, scale)
-        ctx.save_for_backward(q_lat, latent, idx, out, lse)
-        ctx.bounds, ctx.scale, ctx.fuse = bounds, scale, current_mode()
-        return out
+        return SparseMQATileLang.saved(ctx, forward, q_lat, latent, idx, bounds, scale)
 
 
 def attend(q, latent, kv_b_weight, idx, bounds, scale):

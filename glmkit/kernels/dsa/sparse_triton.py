@@ -334,7 +334,12 @@ class SparseMQATriton(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q_lat, latent, idx, bounds, scale):
-        out, lse = forward(q_lat, latent, idx, scale)
+        return SparseMQATriton.saved(ctx, forward, q_lat, latent, idx, bounds, scale)
+
+    @staticmethod
+    def saved(ctx, kernel, q_lat, latent, idx, bounds, scale):
+        """kernel's (out, lse), with what the backward takes saved on ctx -> out."""
+        out, lse = kernel(q_lat, latent, idx, scale)
         ctx.save_for_backward(q_lat, latent, idx, out, lse)
         ctx.bounds, ctx.scale, ctx.fuse = bounds, scale, current_mode()
         return out
