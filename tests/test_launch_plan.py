@@ -3,6 +3,7 @@ recipe's exact commands (snapshots pinned in tests/snapshots/)."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -16,17 +17,138 @@ from glmkit.launch.shapes import SHAPES, NoShape, pick_shape, pipeline_split
 SNAPSHOTS = Path(__file__).parent / "snapshots"
 
 
-def test_pick_shape_for_every_row_and_explains_misses():
-    for shape in SHAPES:
-        assert pick_shape(shape.model, shape.nodes, shape.gpus_per_node, lora=shape.lora) is shape
-    with pytest.raises(NoShape, match=r"on 2 x 4 GPUs; 8 GPUs are fewer than the smallest layout needs \(32\)"):
+# The recipe's tables, as the launchers at the recipe's commit lay them out (read from
+# scripts/run_glm5_3_flash.py as merged and scripts/run_glm5_3_flash_lora.py): launcher, model, nodes,
+# GPUs a node -> TP, PP, first / last stage layers, EP, GPUs an engine, engines (colocated: the rollout
+# uses every trainer GPU), max tokens a GPU, trainer offload target, routing-replay option.
+RECIPE = [
+    ("full", "GLM-5.3-Flash", 16, 4, dict(tp=8, pp=4, first=11, last=12, ep=16, engine=8, engines=8, tokens=8192,
+                                          offload="disk", r3="--enable-r3")),
+    ("full", "GLM-5.3-Flash", 8, 4, dict(tp=8, pp=4, first=11, last=12, ep=8, engine=8, engines=4, tokens=8192,
+                                         offload="disk", r3="--enable-r3")),
+    ("full", "GLM-5.3-Flash-4layer", 2, 4, dict(tp=2, pp=2, first=None, last=None, ep=2, engine=4, engines=2,
+                                                tokens=8192, offload="disk", r3="--enable-r3")),
+    ("full", "GLM-5.3-Flash-4layer", 1, 8, dict(tp=2, pp=2, first=None, last=None, ep=2, engine=4, engines=2,
+                                                tokens=8192, offload="disk", r3="--enable-r3")),
+    ("lora", "GLM-5.3-Flash-4layer", 1, 8, dict(tp=8, pp=1, first=None, last=None, ep=8, engine=8, engines=1,
+                                                tokens=16384, offload="cpu", r3="--use-r3")),
+    ("lora", "GLM-5.3-Flash", 3, 8, dict(tp=8, pp=1, first=None, last=None, ep=24, engine=8, engines=3,
+                                         tokens=16384, offload="cpu", r3="--use-r3")),
+]
+
+
+@pytest.mark.parametrize("launcher, model, nodes, gpus, want", RECIPE)
+def test_the_plan_for_each_recipe_shape_is_the_launchers(launcher, model, nodes, gpus, want):
+    from glmkit.launch import plan
+
+    launch = plan(model, nodes, gpus, lora=launcher == "lora", gpu_mem_gib=288)
+    layout = launch.layout()
+    assert (layout["tp"], layout["pp"], layout["ep"], layout["engine_gpus"], layout["engines"]) == \
+        (want["tp"], want["pp"], want["ep"], want["engine"], want["engines"])
+    assert (launch.shape.first_stage_layers, launch.shape.last_stage_layers) == (want["first"], want["last"])
+    assert layout["rollout_gpus"] == layout["trainer_gpus"] == nodes * gpus and layout["colocated"]
+    assert layout["engine_tp"] == layout["engine_ep"] == want["engine"]
+    assert (layout["max_tokens_per_gpu"], layout["offload"]) == (want["tokens"], want["offload"])
+    assert launch.routing_replay["option"] == want["r3"]
+    assert launch.routing_replay["framework_flag"] == "--use-rollout-routing-replay"
+    assert launch.routing_replay["on"] == (launcher == "lora")  # the LoRA launcher's --use-r3 is on by default
+    assert sum(layout["pipeline_stages"]) == variant_config(model).num_hidden_layers
+    assert launch.ok, [c.line() for c in failed(launch.checks)]
+    text = launch.text()
+    assert f"TP {want['tp']}, PP {want['pp']}" in text and f"EP {want['ep']}" in text
+    assert f"{want['engines']} SGLang engine(s) of {want['engine']} GPUs" in text
+    train = launch.commands[-1]
+    script = "scripts/run_glm5_3_flash_lora.py" if launcher == "lora" else "scripts/run_glm5_3_flash.py"
+    # the full launcher is a single-command typer app: run bare, the word `train` would be refused
+    assert list(train.argv[:3 if launcher == "lora" else 2]) == ["python", script] + (["train"] if launcher == "lora" else [])
+    argv = list(train.argv)
+    for flag, value in (("--model-name", model), ("--num-nodes", str(nodes)), ("--num-gpus-per-node", str(gpus))):
+        assert argv[argv.index(flag) + 1] == value
+    if launcher == "full":  # conversion: a process per GPU of the node it runs on
+        convert = launch.commands[0]
+        assert convert.argv[:3] == ("torchrun", "--nproc-per-node", str(gpus))
+    else:
+        assert [c.name for c in launch.commands] == ["lora-prepare", "train"]
+        assert launch.commands[0].argv[2] == "prepare"
+
+
+def test_shapes_the_launchers_refuse_are_refused_with_their_reason():
+    with pytest.raises(NoShape, match=r"full-model layout on 32 or 64 GPUs; 2 x 4 = 8"):
         pick_shape("GLM-5.3-Flash", 2, 4)
-    with pytest.raises(NoShape, match="the recipe has: 2 x 4 \\(slice-2x4\\), 1 x 8 \\(slice-1x8\\)"):
+    with pytest.raises(NoShape, match=r"4-layer layout on 8 GPUs; 4 x 4 = 16"):
         pick_shape("GLM-5.3-Flash-4layer", 4, 4)
-    with pytest.raises(NoShape, match="unknown model 'GLM-5'; allowed: GLM-5.3-Flash, GLM-5.3-Flash-4layer"):
+    with pytest.raises(NoShape, match="--model-name 'GLM-5'; allowed: GLM-5.3-Flash, GLM-5.3-Flash-4layer"):
         pick_shape("GLM-5", 1, 8)
-    with pytest.raises(NoShape, match="--nodes must be a positive integer, got 0"):
+    with pytest.raises(NoShape, match="--num-nodes must be a positive integer, got 0"):
         pick_shape("GLM-5.3-Flash", 0, 8)
+    with pytest.raises(NoShape, match="expert parallel size 40 must divide 288 experts"):
+        pick_shape("GLM-5.3-Flash", 5, 8, lora=True)
+    with pytest.raises(NoShape, match="--tensor-model-parallel-size 3 does not divide 1 x 8 = 8 GPUs"):
+        pick_shape("GLM-5.3-Flash-4layer", 1, 8, lora=True, tensor_parallel=3)
+    # the launcher checks GPU totals, not a list: 4 x 8 is the 8 x 4 layout on 8-GPU nodes
+    assert pick_shape("GLM-5.3-Flash", 4, 8).ep == 8
+    assert pick_shape("GLM-5.3-Flash-4layer", 2, 4, lora=True).tp == 4  # TP min(8, GPUs a node)
+
+
+def test_the_users_paths_and_settings_reach_the_trainer():
+    """Each path a user gives goes where the launcher reads it: its own options by their own names,
+    what it has no option for (the dataset, max tokens, the stage split) through --extra-args, which it
+    appends last (the framework's argparse keeps the last value)."""
+    import shlex
+
+    from glmkit.launch import plan
+
+    launch = plan("GLM-5.3-Flash", 8, 4, hf_checkpoint="/data/hf", ckpt_dir="/data/ckpt", prompt_data="/data/p.jsonl",
+                  input_key="question", label_key="answer", max_tokens_per_gpu=4096, last_stage_layers=12,
+                  enable_r3=True, gpu_mem_gib=288, options={"data_dir": "/data/sets", "save_dir": "/data/out",
+                                                             "skip_saving": False, "run_id": "r1",
+                                                             "extra_args": "--lr 2e-6",
+                                                             "extra_env_vars": "WANDB_MODE=offline"})
+    argv = list(launch.commands[-1].argv)
+    value = {argv[i]: argv[i + 1] for i in range(len(argv) - 1) if argv[i].startswith("--")}
+    assert value["--hf-checkpoint"] == "/data/hf" and value["--ckpt-dir"] == "/data/ckpt"
+    assert value["--data-dir"] == "/data/sets" and value["--save-dir"] == "/data/out" and "--no-skip-saving" in argv
+    assert "--enable-r3" in argv
+    extra = shlex.split(value["--extra-args"])
+    assert extra[:2] == ["--lr", "2e-6"]  # the user's own first, untouched
+    pairs = dict(zip(extra[2::2], extra[3::2]))
+    assert pairs == {"--prompt-data": "/data/p.jsonl", "--input-key": "question", "--label-key": "answer",
+                     "--max-tokens-per-gpu": "4096", "--decoder-last-pipeline-num-layers": "12"}
+    env = json.loads(value["--extra-env-vars"])
+    assert env["WANDB_MODE"] == "offline" and env["NCCL_NVLS_ENABLE"] == "0"
+    assert launch.paths["prompt_data"] == "/data/p.jsonl" and launch.paths["ref_load"] == "/data/ckpt/glm5.3-flash_torch_dist"
+    assert launch.paths["save"] == "/data/out/r1/checkpoints" and launch.layout()["max_tokens_per_gpu"] == 4096
+    assert launch.commands[0].argv[-1] == "/data/ckpt/glm5.3-flash_torch_dist"  # the conversion writes --ref-load
+    with pytest.raises(ValueError, match="--prompt-data is given twice"):
+        plan("GLM-5.3-Flash-4layer", 1, 8, prompt_data="/a", options={"extra_args": "--prompt-data /b"})
+    with pytest.raises(ValueError, match=r"--ckpt-dir: scripts/run_glm5_3_flash_lora.py has no such option"):
+        plan("GLM-5.3-Flash-4layer", 1, 8, lora=True, ckpt_dir="/c")
+    with pytest.raises(ValueError, match=r"--enable-r3: .* routing replay is its --use-r3"):
+        plan("GLM-5.3-Flash-4layer", 1, 8, lora=True, options={"enable_r3": True})  # the CLI's --enable-r3
+    assert plan("GLM-5.3-Flash-4layer", 1, 8, lora=True, enable_r3=False).values["use_r3"] is False  # the API's
+    with pytest.raises(ValueError, match="not KEY=VALUE"):
+        plan("GLM-5.3-Flash-4layer", 1, 8, options={"extra_env_vars": "JUSTAWORD"})
+    lora = plan("GLM-5.3-Flash-4layer", 1, 8, lora=True, options={"use_r3": False, "task": "dapo-math"})
+    assert "--no-use-r3" in lora.commands[-1].argv and not lora.routing_replay["on"]
+    assert lora.paths["prompt_data"] == "/root/datasets/dapo-math-17k/dapo-math-17k.jsonl"
+    assert lora.values["rollout_max_response_len"] == 4096  # the launcher's rule for dapo-math
+
+
+def test_a_command_line_moves_between_glmkit_and_the_launcher_unchanged(capsys):
+    """The launcher's options given to `glmkit launch` come out in the launch command as they went in."""
+    from glmkit.cli import main
+
+    options = ["--model-name", "GLM-5.3-Flash", "--num-nodes", "16", "--num-gpus-per-node", "4", "--num-rollout", "20",
+               "--rollout-max-response-len", "4096", "--enable-r3", "--no-check-weight-update-equal",
+               "--train-offload-dir", "/scratch/offload", "--run-id", "bringup-1"]
+    assert main(["launch", "--dry-run", "--json", "--gpu-memory-gib", "288", *options]) == 0
+    data = json.loads(capsys.readouterr().out)
+    argv = data["commands"][-1]["argv"]
+    assert argv[:2] == ["python", "scripts/run_glm5_3_flash.py"]
+    rest = [w for i, w in enumerate(argv[2:]) if w != "--extra-env-vars" and argv[2:][i - 1] != "--extra-env-vars"]
+    assert sorted(rest) == sorted(options)
+    assert data["layout"]["ep"] == 16 and data["routing_replay"]["on"] and data["ok"]
+    assert data["paths"]["offload_dir"] == "/scratch/offload"
 
 
 def test_pipeline_split_as_megatron_derives_it():
@@ -97,11 +219,14 @@ def test_memory_arithmetic_is_shown_and_judged():
 
 
 def render_all() -> str:
+    from glmkit.launch import plan
+
     out = []
-    for shape in SHAPES:
-        out.append(f"### {shape.name}")
-        for cmd in commands.plan_commands(shape, "/root/models/" + shape.model, "/root/ckpt", num_rollout=20,
-                                          response_len=4096, enable_r3=shape.name.startswith("slice")):
+    for launcher, model, nodes, gpus, _ in RECIPE:
+        launch = plan(model, nodes, gpus, lora=launcher == "lora", num_rollout=20, response_len=4096,
+                      enable_r3=True if launcher == "full" and model.endswith("4layer") else None)
+        out.append(f"### {launch.shape.name}")
+        for cmd in launch.commands:
             out += [f"# {cmd.name}", cmd.shell(), f"# entrypoint: {cmd.entrypoint()}"]
     return "\n".join(out) + "\n"
 
@@ -116,33 +241,36 @@ def test_commands_match_the_snapshot():
 
 
 def test_commands_are_the_recipes():
-    full = commands.plan_commands(SHAPES[0], "/root/models/GLM-5.3-Flash", "/root/ckpt", 20, 4096)
-    convert, train = full
-    assert convert.argv[:4] == ("torchrun", "--nproc-per-node", "8", "tools/convert_hf_to_torch_dist.py")
+    from glmkit.launch import plan
+
+    convert, train = plan("GLM-5.3-Flash", 16, 4, num_rollout=20, response_len=4096).commands
+    assert convert.argv[:4] == ("torchrun", "--nproc-per-node", "4", "tools/convert_hf_to_torch_dist.py")
     assert convert.argv[-2:] == ("--save", "/root/ckpt/glm5.3-flash_torch_dist")
     assert convert.env == {"CONVERT_KEEP_PP1": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "1", "PYTHONPATH": "/root/Megatron-LM"}
-    assert list(train.argv) == ["python", "scripts/run_glm5_3_flash.py", "train", "--model-name", "GLM-5.3-Flash",
-                                "--num-nodes", "16", "--num-gpus-per-node", "4", "--num-rollout", "20",
-                                "--rollout-max-response-len", "4096"]
+    argv = list(train.argv)
+    assert argv[:2] == ["python", "scripts/run_glm5_3_flash.py"] and "train" not in argv
+    assert json.loads(argv[argv.index("--extra-env-vars") + 1]) == commands.NO_MULTICAST
     assert train.env == {"MILES_SCRIPT_EXTERNAL_RAY": "1"}
-    lora = commands.plan_commands(SHAPES[4], "/m", "/c")
-    assert [c.name for c in lora] == ["convert", "lora-prepare", "train"]
-    assert lora[2].argv[:3] == ("python", "scripts/run_glm5_3_flash_lora.py", "train")
     env = commands.runtime_env({"NCCL_NVLS_ENABLE": "1", "MASTER_ADDR": "10.0.0.1"})["env_vars"]
     assert env["NCCL_NVLS_ENABLE"] == "0" and env["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"
     assert env["NVSHMEM_DISABLE_NVLS"] == "1" and env["MASTER_ADDR"] == "10.0.0.1"
+    # a user's NCCL_NVLS_ENABLE=1 through --extra-env-vars cannot switch multicast back on
+    launch = plan("GLM-5.3-Flash-4layer", 1, 8, options={"extra_env_vars": '{"NCCL_NVLS_ENABLE": "1", "A": "b"}'})
+    argv = list(launch.commands[-1].argv)
+    assert json.loads(argv[argv.index("--extra-env-vars") + 1]) == {**commands.NO_MULTICAST, "A": "b"}
 
 
 def test_cli_dry_run_prints_preflight_then_commands(capsys):
     from glmkit.cli import main
 
-    rc = main(["launch", "--model-name", "GLM-5.3-Flash", "--nodes", "16", "--gpus-per-node", "4", "--dry-run",
+    rc = main(["launch", "--model-name", "GLM-5.3-Flash", "--num-nodes", "16", "--num-gpus-per-node", "4", "--dry-run",
                "--gpu-memory-gib", "288", "--num-rollout", "20", "--rollout-max-response-len", "4096"])
     out = capsys.readouterr().out
     assert rc == 0
     assert out.index("preflight:") < out.index("commands:")
     assert "PASS  pipeline split: 45 layers over PP 4: 11 / 11 / 11 / 12" in out
-    assert "MILES_SCRIPT_EXTERNAL_RAY=1 python scripts/run_glm5_3_flash.py train" in out
+    assert "MILES_SCRIPT_EXTERNAL_RAY=1 python scripts/run_glm5_3_flash.py \\\n    --num-nodes 16" in out
+    assert "8 SGLang engine(s) of 8 GPUs" in out and "kills sglang, miles and redis" in out
 
 
 def test_cli_impossible_shape_exits_2_before_printing_commands(capsys):
@@ -151,7 +279,7 @@ def test_cli_impossible_shape_exits_2_before_printing_commands(capsys):
     rc = main(["launch", "--model-name", "GLM-5.3-Flash", "--nodes", "2", "--gpus-per-node", "4", "--dry-run"])
     captured = capsys.readouterr()
     assert rc == 2 and captured.out == ""
-    assert "no layout of the recipe for GLM-5.3-Flash on 2 x 4 GPUs" in captured.err
+    assert "full-model layout on 32 or 64 GPUs; 2 x 4 = 8" in captured.err
 
 
 def test_cli_failing_preflight_exits_1_and_names_the_check(capsys, tmp_path):

@@ -71,8 +71,15 @@ def test_an_optimizer_step_all_reduces_its_metrics_in_one_call(tmp_path, monkeyp
     """Under data parallelism an optimizer step all-reduces the step's sample count once, the gradients
     once per bucket and every metric together in one more call (the count, grad norm and losses used to
     take ~16 small blocking calls a step); with one rank in a real gloo group the rows are the one-process
-    trainer's, to the bit, but for the gradient norm (1e-6 relative: the ranked trainer also feeds the
-    gradients no token reached, as zeros, to the norm, which changes its fp32 summation order)."""
+    trainer's.
+
+    Tolerances: the first optimizer step runs the same code on the same weights in both, so its losses are
+    bit-equal. Its gradient norm is not: the ranked trainer also feeds the gradients no token reached, as
+    zeros, to the norm, which changes its fp32 summation order (1e-7 relative measured, bound 1e-6); the
+    norm scales the clipped update, so from the second step on the weights differ by fp32 rounding
+    amplified through Adam, and the losses, means of per-token terms of size ~1 that cancel (advantages sum
+    to zero within a group), differ by ~1e-7 absolute (measured 1.1e-7 on values of 2.5e-3; bound 1e-6 +
+    1e-4 relative, as in the two-rank test above). Counts and step numbers are exact."""
     import torch.distributed as dist
 
     from glmkit.rl.loop import GRPOTrainer
@@ -91,12 +98,23 @@ def test_an_optimizer_step_all_reduces_its_metrics_in_one_call(tmp_path, monkeyp
     steps = sum("train/step" in r for r in ranked)
     buckets = len(_buckets(list(trainer.trainable), BUCKET_BYTES))
     assert steps >= 2 and len(calls) == steps * (2 + buckets), (steps, buckets, calls)
+    assert len(alone) == len(ranked)
+    first = True
     for a, b in zip(alone, ranked):
         assert set(a) == set(b)
-        assert {k: v for k, v in a.items() if not k.startswith("perf/") and k != "train/grad_norm"} == \
-            {k: v for k, v in b.items() if not k.startswith("perf/") and k != "train/grad_norm"}
-        assert b.get("train/grad_norm", 0.0) == pytest.approx(a.get("train/grad_norm", 0.0), rel=1e-6)
-
+        for key, want in a.items():
+            got = b[key]
+            if key.startswith("perf/") or not isinstance(want, (int, float)):
+                continue
+            if isinstance(want, (bool, int)) or key.endswith("/step") or key == "step":
+                assert got == want, (key, want, got)
+            elif key == "train/grad_norm":
+                assert got == pytest.approx(want, rel=1e-6), (key, want, got)
+            elif first and "train/step" in a:
+                assert got == want, (key, want, got)  # same code, same weights: bit-equal
+            else:
+                assert abs(got - want) <= 1e-6 + 1e-4 * abs(want), (key, want, got)
+        first = first and "train/step" not in a
 
 def test_data_parallel_refuses_the_distributed_weight_update_before_joining(tmp_path):
     """Both want the process's default group: the trainer says so before it joins one (without the

@@ -1,9 +1,10 @@
 """The Ray cluster a launch runs on: start a local head (loopback only), connect, take inventory.
 
-    head = LocalHead.start()            # ray start --head --block on 127.0.0.1, in its own session
+    head = LocalHead.start()            # ray start --head --block on 127.0.0.1, every port free, guarded
     client = connect(head.dashboard)    # Jobs API (http://HOST:8265); ray://HOST:10001 for Ray Client
     nodes = inventory(head.dashboard)   # [{node, ip, alive, head, gpus, gpu_type, gpu_memory_gib, cpus, memory_gib}]
     head.stop()                         # stops what start() started, nothing else on the machine
+                                        # (and so does this process's end, however it ends)
 
 A fresh head often refuses the first connection for a few seconds (its dashboard and job agent
 start after the GCS): `connect` retries those, and reports an address where nothing listens in one
@@ -12,6 +13,7 @@ line after its retries.
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
 import signal
@@ -44,15 +46,35 @@ def _listening(host: str, port: int) -> bool:
         return s.connect_ex((host, port)) == 0
 
 
+# Every port a head binds, each picked free (Ray's defaults are fixed numbers, e.g. the dashboard
+# agent's 52365: a second head on a shared machine would fail with "No available agent").
+HEAD_PORTS = ("--port", "--dashboard-port", "--ray-client-server-port", "--dashboard-agent-listen-port",
+              "--dashboard-agent-grpc-port", "--runtime-env-agent-port", "--metrics-export-port",
+              "--object-manager-port", "--node-manager-port")
+
+
 @dataclass
 class LocalHead:
-    """A Ray head glmkit started on this machine, bound to 127.0.0.1 (ports chosen free)."""
+    """A Ray head glmkit started on this machine, bound to 127.0.0.1, every port chosen free. It runs
+    under `glmkit.launch.headguard`, which stops it (and everything it started) when `stop()` is called
+    or when this process ends in any way, SIGKILL included."""
 
-    process: subprocess.Popen
-    gcs_port: int
-    dashboard_port: int
-    client_port: int
+    process: subprocess.Popen   # the guard
+    ports: dict                 # ray start option -> port
     temp_dir: str
+    log_path: str
+
+    @property
+    def gcs_port(self) -> int:
+        return self.ports["--port"]
+
+    @property
+    def dashboard_port(self) -> int:
+        return self.ports["--dashboard-port"]
+
+    @property
+    def client_port(self) -> int:
+        return self.ports["--ray-client-server-port"]
 
     @property
     def dashboard(self) -> str:
@@ -67,15 +89,33 @@ class LocalHead:
         return f"{LOOPBACK}:{self.gcs_port}"
 
     @classmethod
-    def start(cls, num_cpus: int = 2, num_gpus: int | None = None, timeout: float = 120.0) -> "LocalHead":
-        gcs, dash, client = free_port(), free_port(), free_port()
-        # short: Ray's unix socket paths must fit in 107 bytes
-        temp_dir = tempfile.mkdtemp(prefix="glmray-", dir="/tmp")
+    def start(cls, num_cpus: int = 2, num_gpus: int | None = None, timeout: float = 120.0,
+              attempts: int = 3) -> "LocalHead":
+        """Start a head; a start that fails before it is up (a port taken between picking and binding,
+        on a busy machine) is retried with new ports, `attempts` times in all."""
         ray = shutil.which("ray", path=str(Path(sys.executable).parent)) or shutil.which("ray")
         if ray is None:
             raise FileNotFoundError("the `ray` command is not installed (pip install 'ray[default]')")
-        argv = [ray, "start", "--head", "--block", "--node-ip-address", LOOPBACK, "--port", str(gcs),
-                "--dashboard-host", LOOPBACK, "--dashboard-port", str(dash), "--ray-client-server-port", str(client),
+        deadline = time.monotonic() + timeout
+        for attempt in range(1, attempts + 1):
+            head, why = cls._try_start(ray, num_cpus, num_gpus, deadline)
+            if head is not None:
+                return head
+            if why is None:
+                raise TimeoutError(f"the local Ray head did not come up within {timeout:.0f} s")
+            if attempt == attempts or time.monotonic() >= deadline:
+                raise RuntimeError(f"ray start --head failed {attempt} time(s); the last output:\n{why}")
+
+    @classmethod
+    def _try_start(cls, ray: str, num_cpus: int, num_gpus: int | None, deadline: float):
+        """(head, None) once up; (None, its output) when it exited; (None, None) at the deadline."""
+        ports = _free_ports(len(HEAD_PORTS))
+        ports = dict(zip(HEAD_PORTS, ports))
+        # short: Ray's unix socket paths must fit in 107 bytes
+        temp_dir = tempfile.mkdtemp(prefix="glmray-", dir="/tmp")
+        log_path = temp_dir + ".log"
+        argv = [ray, "start", "--head", "--block", "--node-ip-address", LOOPBACK, "--dashboard-host", LOOPBACK,
+                *[str(w) for flag, port in ports.items() for w in (flag, port)],
                 "--num-cpus", str(num_cpus), "--temp-dir", temp_dir, "--disable-usage-stats",
                 "--include-dashboard", "true"]
         if num_gpus is not None:
@@ -86,40 +126,70 @@ class LocalHead:
         # the head would be refused. Pin the mode so that the head and this process agree; a mode the
         # user set explicitly is kept (both sides read it).
         env.setdefault("RAY_AUTH_MODE", "disabled")
-        with open(Path(temp_dir) / "head.log", "w") as log:  # the child keeps its own copy of the handle
-            process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        head = cls(process, gcs, dash, client, temp_dir)
-        deadline = time.monotonic() + timeout
+        guard = [sys.executable, "-m", "glmkit.launch.headguard", "--parent", str(os.getpid()),
+                 "--temp-dir", temp_dir, "--log", log_path, "--", *argv]
+        # its own session: a Ctrl-C meant for this process does not reach the head; stop() decides
+        process = subprocess.Popen(guard, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.DEVNULL, env=env, start_new_session=True)
+        head = cls(process, ports, temp_dir, log_path)
+        atexit.register(head.stop)
         while time.monotonic() < deadline:
             if process.poll() is not None:
-                raise RuntimeError(f"ray start --head exited with {process.returncode}: "
-                                   f"{(Path(temp_dir) / 'head.log').read_text()[-2000:]}")
+                why = _read_tail(log_path)
+                head.stop()
+                return None, why or f"(the guard exited with {process.returncode} and left no output)"
             # ready = the Jobs API answers and the head node is registered (lists as ALIVE)
-            if _listening(LOOPBACK, dash) and _jobs_api_ready(head.dashboard) and _head_alive(head.dashboard):
-                return head
+            if _listening(LOOPBACK, head.dashboard_port) and _jobs_api_ready(head.dashboard) \
+                    and _head_alive(head.dashboard):
+                return head, None
             time.sleep(0.5)
         head.stop()
-        raise TimeoutError(f"the local Ray head did not come up within {timeout:.0f} s")
+        return None, None
 
-    def stop(self, timeout: float = 30.0):
-        """Stop this head's process group only: SIGTERM (`ray start --block` shuts its services
-        down), then SIGKILL for whatever of the group is left after `timeout` seconds."""
+    def stop(self, timeout: float = 45.0):
+        """Stop this head and everything it started, and nothing else: the guard is asked (it stops
+        `ray start`, then kills what is left of the processes it noted); if it does not finish within
+        `timeout` seconds, its process group is killed."""
+        atexit.unregister(self.stop)
         group = self.process.pid
-        if self.process.poll() is not None and not _group_alive(group):
-            return  # stopped already: the pid may belong to someone else by now
-        for sig in (signal.SIGTERM, signal.SIGKILL):
+        if self.process.poll() is None:
             try:
-                os.killpg(group, sig)
-            except ProcessLookupError:
-                break
-            deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline and _group_alive(group):
-                self.process.poll()  # reap the leader so it does not linger as a zombie
-                time.sleep(0.2)
-            if not _group_alive(group):
-                break
+                self.process.send_signal(signal.SIGTERM)
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        if _group_alive(group):
+            try:
+                os.killpg(group, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
         self.process.poll()
         shutil.rmtree(self.temp_dir, ignore_errors=True)
+        try:
+            os.unlink(self.log_path)
+        except OSError:
+            pass
+
+
+def _free_ports(n: int) -> list[int]:
+    """n distinct ports nothing listens on now (all held open together while the OS picks them)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind((LOOPBACK, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _read_tail(path: str, limit: int = 4000) -> str:
+    try:
+        return Path(path).read_text(errors="replace")[-limit:]
+    except OSError:
+        return ""
 
 
 def _group_alive(group: int) -> bool:

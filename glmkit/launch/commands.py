@@ -1,30 +1,30 @@
 """The recipe's commands, built exactly, as data: what `glmkit launch --dry-run` prints and what a
 Ray job runs for the `miles` backend.
 
-    conversion   torchrun --nproc-per-node N tools/convert_hf_to_torch_dist.py <model args>
+    conversion   torchrun --nproc-per-node <GPUs a node> tools/convert_hf_to_torch_dist.py <model args>
                    --hf-checkpoint HF --save <ckpt-dir>/<megatron_model_type>_torch_dist
-                 env CONVERT_KEEP_PP1=1 CUDA_DEVICE_MAX_CONNECTIONS=1 PYTHONPATH=/root/Megatron-LM
-    train        python scripts/run_glm5_3_flash.py train --model-name M --num-nodes N
-                   --num-gpus-per-node G --num-rollout R --rollout-max-response-len L [--enable-r3]
-                 env MILES_SCRIPT_EXTERNAL_RAY=1 (the kit brings the Ray cluster up itself)
-    lora         python scripts/run_glm5_3_flash_lora.py prepare --model-name M, then ... train
-                   --model-name M --num-nodes N --num-gpus-per-node G
+                 env CONVERT_KEEP_PP1=1 CUDA_DEVICE_MAX_CONNECTIONS=1 PYTHONPATH=<megatron path>
+                 (full launcher only: the LoRA launcher builds its model from the HF checkpoint)
+    train        python scripts/run_glm5_3_flash.py <the launcher's options as given>
+                 env MILES_SCRIPT_EXTERNAL_RAY=1 (the cluster is up: the launcher must not restart Ray)
+    lora         python scripts/run_glm5_3_flash_lora.py prepare <options>, then ... train <options>
 
 The model arguments of the conversion come from the framework's own helper at run time (`MODEL_ARGS`
 read from `model_args_utils.py <megatron_model_type>`), as the recipe does: the kit never guesses them.
+The launcher's options are `glmkit.launch.launcher`'s data; what the user gives is passed in the
+launcher's own spelling, so the same command line works with either.
 """
 
 from __future__ import annotations
 
+import json
 import shlex
 from dataclasses import dataclass, field
 
-from glmkit.launch.shapes import FULL, Shape
+from glmkit.launch.launcher import HOST_KILLS, MEGATRON_MODEL_TYPE, Launcher, parse_extra_env_vars  # noqa: F401
 
 MILES_DIR = "/root/miles"
 MEGATRON_DIR = "/root/Megatron-LM"
-# The framework's name of each model (its model_args_utils key; --ref-load's <megatron_model_type>).
-MEGATRON_MODEL_TYPE = {FULL: "glm5.3-flash", "GLM-5.3-Flash-4layer": "glm5.3-flash-4layer"}
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
@@ -70,36 +70,37 @@ def torch_dist_dir(ckpt_dir: str, model: str) -> str:
     return f"{ckpt_dir.rstrip('/')}/{MEGATRON_MODEL_TYPE[model]}_torch_dist"
 
 
-def conversion(model: str, hf_checkpoint: str, ckpt_dir: str, nproc: int = 8) -> Command:
+def conversion(model: str, hf_checkpoint: str, ckpt_dir: str, nproc: int,
+               megatron_path: str = MEGATRON_DIR) -> Command:
+    """The recipe's conversion of the HF checkpoint to --ref-load's torch_dist, one process a GPU of
+    the node it runs on (the recipe writes 8 for its 8-GPU nodes)."""
     key = MEGATRON_MODEL_TYPE[model]
     prelude = (f'MODEL_ARGS_LINE="$(python3 miles/utils/external_utils/model_args_utils.py {key})" || exit 1',
                'read -ra MODEL_ARGS <<< "${MODEL_ARGS_LINE}"')
     argv = ("torchrun", "--nproc-per-node", str(nproc), "tools/convert_hf_to_torch_dist.py", '"${MODEL_ARGS[@]}"',
             "--hf-checkpoint", hf_checkpoint, "--save", torch_dist_dir(ckpt_dir, model))
-    env = {"CONVERT_KEEP_PP1": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "1", "PYTHONPATH": MEGATRON_DIR}
+    env = {"CONVERT_KEEP_PP1": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "1", "PYTHONPATH": megatron_path}
     return Command("convert", argv, env, prelude=prelude)
 
 
-def train(shape: Shape, num_rollout: int | None = None, response_len: int | None = None,
-          enable_r3: bool = False) -> Command:
-    """The training launch of a shape (the LoRA launcher's train step for LoRA shapes)."""
-    if shape.lora:
-        argv = ["python", "scripts/run_glm5_3_flash_lora.py", "train", "--model-name", shape.model]
-    else:
-        argv = ["python", "scripts/run_glm5_3_flash.py", "train", "--model-name", shape.model]
-    argv += ["--num-nodes", str(shape.nodes), "--num-gpus-per-node", str(shape.gpus_per_node)]
-    if num_rollout is not None:
-        argv += ["--num-rollout", str(num_rollout)]
-    if response_len is not None:
-        argv += ["--rollout-max-response-len", str(response_len)]
-    if enable_r3:
-        argv.append("--enable-r3")
-    return Command("train", tuple(argv), {"MILES_SCRIPT_EXTERNAL_RAY": "1"})
+def launcher_given(given: dict, job_env: dict | None = None) -> dict:
+    """The user's launcher options with NVLink multicast kept off in the training job (and `job_env`
+    added): the launcher adds --extra-env-vars last to the training job's runtime env, after its own
+    NVLink probe, so these reach the processes that train. Passed as one JSON object."""
+    env = {**parse_extra_env_vars(given.get("extra_env_vars") or ""), **(job_env or {}), **NO_MULTICAST}
+    return {**given, "extra_env_vars": json.dumps(env, sort_keys=True)}
 
 
-def lora_prepare(model: str) -> Command:
-    return Command("lora-prepare", ("python", "scripts/run_glm5_3_flash_lora.py", "prepare", "--model-name", model),
-                   {"MILES_SCRIPT_EXTERNAL_RAY": "1"})
+def train(launcher: Launcher, given: dict, job_env: dict | None = None) -> Command:
+    """The launcher's training run (the LoRA launcher's `train`) with the options the user gave."""
+    return Command("train", tuple(launcher.argv(launcher_given(given, job_env))), {"MILES_SCRIPT_EXTERNAL_RAY": "1"})
+
+
+def lora_prepare(launcher: Launcher, given: dict) -> Command:
+    """The LoRA launcher's `prepare` (downloads the known HF checkpoint and the task's dataset)."""
+    argv = launcher.argv(launcher_given(given))
+    argv[argv.index("train")] = "prepare"
+    return Command("lora-prepare", tuple(argv), {"MILES_SCRIPT_EXTERNAL_RAY": "1"})
 
 
 def runtime_env(extra: dict | None = None) -> dict:
@@ -112,11 +113,15 @@ def runtime_env(extra: dict | None = None) -> dict:
     return {"env_vars": env}
 
 
-def plan_commands(shape: Shape, hf_checkpoint: str, ckpt_dir: str, num_rollout: int | None = None,
-                  response_len: int | None = None, enable_r3: bool = False) -> list[Command]:
-    """Everything a launch of `shape` runs, in order."""
-    commands = [conversion(shape.model, hf_checkpoint, ckpt_dir)]
-    if shape.lora:
-        commands.append(lora_prepare(shape.model))
-    commands.append(train(shape, num_rollout, response_len, enable_r3))
+def plan_commands(launcher: Launcher, given: dict, gpus_per_node: int) -> list[Command]:
+    """Everything a launch runs, in order: the conversion (full launcher), the LoRA launcher's
+    prepare, the training run."""
+    values = launcher.resolved(given)
+    commands = []
+    if launcher.name == "full":
+        commands.append(conversion(values["model_name"], values["hf_checkpoint"], values["ckpt_dir"], gpus_per_node,
+                                   values["megatron_path"]))
+    else:
+        commands.append(lora_prepare(launcher, given))
+    commands.append(train(launcher, given))
     return commands

@@ -17,6 +17,7 @@ import re
 import shlex
 import sys
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from glmkit.launch.builtin import DONE_PREFIX, METRICS_PREFIX
 from glmkit.launch.commands import runtime_env
 
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
+PARENT_ENV = "GLMKIT_PARENT_JOB"   # in a launcher-submitted job's env: the glmkit job that ran the launcher
 _PAIR = re.compile(r"""(?<![\w/])['"]?((?:train|rollout|perf)/[A-Za-z0-9_/.-]+|step)['"]?\s*[:=]\s*"""
                    r"""(-?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|nan|-?inf)\b""")
 
@@ -77,13 +79,81 @@ def builtin_entrypoint(fields: dict, rollout_actors: int = 1, gpus: bool = False
     return " ".join(shlex.quote(a) for a in argv)
 
 
-def submit(client, entrypoint: str, run_name: str, env: dict | None = None, working_dir: str | None = None) -> str:
+def submit(client, entrypoint: str, run_name: str, env: dict | None = None, working_dir: str | None = None,
+           submission_id: str | None = None) -> str:
     """Submit `entrypoint` as a Ray job tagged with `run_name` (what `find_job` re-attaches by);
     the runtime env is the framework's, NVLink multicast off."""
     renv = runtime_env(env)
     if working_dir:
         renv["working_dir"] = working_dir
-    return client.submit_job(entrypoint=entrypoint, runtime_env=renv, metadata={"glmkit_run": run_name})
+    return client.submit_job(entrypoint=entrypoint, runtime_env=renv, metadata={"glmkit_run": run_name},
+                             submission_id=submission_id)
+
+
+def new_submission_id(run_name: str) -> str:
+    """A job id glmkit chooses before submitting (so the job's own children can be told to carry it)."""
+    safe = re.sub(r"[^A-Za-z0-9_-]+", "-", run_name).strip("-")[:40] or "run"
+    return f"glmkit-{safe}-{uuid.uuid4().hex[:12]}"
+
+
+def training_job(client, launcher_job: str) -> str | None:
+    """The job the recipe's launcher submitted from inside `launcher_job` (its own `ray job submit`):
+    found by PARENT_ENV in its runtime env, which glmkit passes through the launcher's --extra-env-vars."""
+    found = [j for j in client.list_jobs()
+             if ((j.runtime_env or {}).get("env_vars") or {}).get(PARENT_ENV) == launcher_job]
+    found.sort(key=lambda j: j.start_time or 0)
+    return found[-1].submission_id if found else None
+
+
+def follow_launch(client, launcher_job: str, metrics_out: str | Path | None = None, on_row=None, on_log=None,
+                  poll: float = 1.0, timeout: float | None = None, on_rows=None, on_training_job=None) -> JobResult:
+    """Follow a run of the recipe's launcher: its own output until the training job it submits appears,
+    then that job (its log, metric rows, status: the run's result). `on_training_job(id)` is told once.
+    A launcher that ends without a training job is a failed run, with its log's last lines."""
+    outer, tail, store, rows = _Tail(), _Tail(), _Store(metrics_out), []
+    inner = None
+    start = time.monotonic()
+    while True:
+        if inner is None:
+            status = _status(client, launcher_job)
+            inner = training_job(client, launcher_job)
+            if inner is not None and on_training_job is not None:
+                on_training_job(inner)
+        if inner is None:
+            logs = client.get_job_logs(launcher_job)
+            new, _ = outer.step(logs, status in TERMINAL)  # its echo of the training job's rows is not read
+            if new and on_log is not None:
+                on_log(new)
+            if status in TERMINAL:
+                info = client.get_job_info(launcher_job)
+                why = f"the launcher ended ({status.lower()}) without submitting a training job"
+                return JobResult(launcher_job, "FAILED", rows, _last_lines(logs),
+                                 why + (f": {info.message}" if info.message else ""))
+        else:
+            status = _status(client, inner)
+            logs = client.get_job_logs(inner)
+            new, batch = tail.step(logs, status in TERMINAL)
+            if new and on_log is not None:
+                on_log(new)
+            rows += batch
+            store.add(batch)
+            _deliver(batch, on_row, on_rows)
+            if status in TERMINAL:
+                info = client.get_job_info(inner)
+                return JobResult(inner, status, rows, _last_lines(logs), info.message or "", tail.done)
+        if timeout is not None and time.monotonic() - start > timeout:
+            return JobResult(inner or launcher_job, status, rows, "",
+                             f"still {status.lower()} after {timeout:.0f} s of following", tail.done)
+        time.sleep(poll)
+
+
+def stop_launch(client, launcher_job: str, wait: float = 60.0) -> str:
+    """Stop a launcher run: the training job it submitted first (the processes that train), then the
+    launcher's own job. Returns the training job's final status (the launcher's when it had none)."""
+    inner = training_job(client, launcher_job)
+    status = stop(client, inner, wait) if inner is not None else None
+    outer = stop(client, launcher_job, wait) if _status(client, launcher_job) not in TERMINAL else None
+    return status or outer or _status(client, launcher_job)
 
 
 def find_job(client, run_name: str, running_only: bool = True) -> str | None:
@@ -99,58 +169,94 @@ def _status(client, job_id) -> str:
     return getattr(status, "value", str(status))
 
 
-def follow(client, job_id: str, metrics_out: str | Path | None = None, on_row=None, on_log=None,
-           poll: float = 1.0, timeout: float | None = None) -> JobResult:
-    """Follow a job until it ends (or `timeout` seconds): new log text to `on_log`, each metric row
-    to `on_row` and appended to `metrics_out` (rows already there are not written again, so a
-    re-attached follow continues the same file)."""
-    seen_text, rows, done = 0, [], None
-    known = set()
-    out = Path(metrics_out) if metrics_out else None
-    if out is not None and out.exists():
-        for line in out.read_text().splitlines():
-            if line.strip():
-                known.add(line.strip())
-    start = time.monotonic()
-    partial = ""
-    while True:
-        status = _status(client, job_id)
-        logs = client.get_job_logs(job_id)
-        new, seen_text = logs[seen_text:], len(logs)
-        if new and on_log is not None:
-            on_log(new)
-        lines = (partial + new).split("\n")
-        partial = lines.pop()  # an unfinished last line waits for the rest
-        if status in TERMINAL and partial:  # nothing more will come: the last line is whole
-            lines.append(partial)
-            partial = ""
+class _Tail:
+    """Reads a job's growing log: the new text of each poll, whole lines only, metric rows parsed."""
+
+    def __init__(self):
+        self.seen, self.partial, self.done = 0, "", None
+
+    def step(self, logs: str, terminal: bool) -> tuple[str, list]:
+        """(the new text, the metric rows of its whole lines); at the end the last line counts whole."""
+        new, self.seen = logs[self.seen:], len(logs)
+        lines = (self.partial + new).split("\n")
+        self.partial = lines.pop()  # an unfinished last line waits for the rest
+        if terminal and self.partial:  # nothing more will come: the last line is whole
+            lines.append(self.partial)
+            self.partial = ""
+        rows = []
         for line in lines:
             if DONE_PREFIX in line:
                 try:
-                    done = json.loads(line[line.find(DONE_PREFIX) + len(DONE_PREFIX):])
+                    self.done = json.loads(line[line.find(DONE_PREFIX) + len(DONE_PREFIX):])
                 except ValueError:
                     pass
                 continue
             row = parse_metric_line(line)
-            if row is None:
-                continue
-            rows.append(row)
+            if row is not None:
+                rows.append(row)
+        return new, rows
+
+
+class _Store:
+    """The metrics file a follow appends to: rows already there are not written again (a re-attached
+    follow continues the same file); each poll's rows are written in one append."""
+
+    def __init__(self, path):
+        self.path = Path(path) if path else None
+        self.known = set()
+        if self.path is not None and self.path.exists():
+            self.known = {line.strip() for line in self.path.read_text().splitlines() if line.strip()}
+
+    def add(self, rows: list):
+        if self.path is None:
+            return
+        texts = []
+        for row in rows:
             text = json.dumps(row, sort_keys=True, allow_nan=False) if _finite(row) else None
-            if out is not None and text is not None and text not in known:
-                known.add(text)
-                out.parent.mkdir(parents=True, exist_ok=True)
-                with out.open("a") as f:
-                    f.write(text + "\n")
-            if on_row is not None:
-                on_row(row)
+            if text is not None and text not in self.known:
+                self.known.add(text)
+                texts.append(text)
+        if texts:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with self.path.open("a") as f:
+                f.write("\n".join(texts) + "\n")
+
+
+def _deliver(rows, on_row, on_rows):
+    if rows and on_rows is not None:
+        on_rows(rows)
+    if on_row is not None:
+        for row in rows:
+            on_row(row)
+
+
+def follow(client, job_id: str, metrics_out: str | Path | None = None, on_row=None, on_log=None,
+           poll: float = 1.0, timeout: float | None = None, on_rows=None) -> JobResult:
+    """Follow a job until it ends (or `timeout` seconds): new log text to `on_log`, the metric rows of
+    each poll to `on_rows` (one call a poll: a re-attach replays everything so far in one call) and
+    each row to `on_row`, all appended to `metrics_out`."""
+    tail, store, rows = _Tail(), _Store(metrics_out), []
+    start = time.monotonic()
+    while True:
+        status = _status(client, job_id)
+        logs = client.get_job_logs(job_id)
+        new, batch = tail.step(logs, status in TERMINAL)
+        if new and on_log is not None:
+            on_log(new)
+        rows += batch
+        store.add(batch)
+        _deliver(batch, on_row, on_rows)
         if status in TERMINAL:
             info = client.get_job_info(job_id)
-            tail = "\n".join(logs.rstrip("\n").split("\n")[-20:])
-            return JobResult(job_id, status, rows, tail, info.message or "", done)
+            return JobResult(job_id, status, rows, _last_lines(logs), info.message or "", tail.done)
         if timeout is not None and time.monotonic() - start > timeout:
-            return JobResult(job_id, status, rows, "\n".join(logs.rstrip("\n").split("\n")[-20:]),
-                             f"still {status.lower()} after {timeout:.0f} s of following", done)
+            return JobResult(job_id, status, rows, _last_lines(logs),
+                             f"still {status.lower()} after {timeout:.0f} s of following", tail.done)
         time.sleep(poll)
+
+
+def _last_lines(logs: str, n: int = 20) -> str:
+    return "\n".join(logs.rstrip("\n").split("\n")[-n:])
 
 
 def _finite(row: dict) -> bool:
@@ -159,6 +265,8 @@ def _finite(row: dict) -> bool:
 
 def stop(client, job_id: str, wait: float = 60.0) -> str:
     """Ask the job to stop; returns its status once terminal (or after `wait` seconds)."""
+    if _status(client, job_id) in TERMINAL:
+        return _status(client, job_id)
     client.stop_job(job_id)
     deadline = time.monotonic() + wait
     while time.monotonic() < deadline:

@@ -72,7 +72,8 @@ def layout_checks(config, shape: Shape, first: int | None = None, last: int | No
 
 
 def _pipeline(config, shape: Shape, first: int | None, last: int | None):
-    """-> (layers per stage or None, the "pipeline split" Check); `last` defaults to the shape's."""
+    """-> (layers per stage or None, the "pipeline split" Check); `first` / `last` default to the shape's."""
+    first = first if first is not None else shape.first_stage_layers
     last = last if last is not None else shape.last_stage_layers
     try:
         split = pipeline_split(config.num_hidden_layers, shape.pp, first, last)

@@ -1,22 +1,34 @@
-"""The recipe's parallel layouts as data, defined once, and how a run picks one.
+"""The recipe's parallel layouts, chosen as its launchers choose them, and the shapes its tables name.
 
-    Shape            model                 nodes x GPUs  TP  PP  EP  rollout GPUs  engine TP / EP
-    full-16x4        GLM-5.3-Flash          16 x 4        8   4  16   8             8 / 8
-    full-8x4         GLM-5.3-Flash           8 x 4        8   4   8   8             8 / 8
-    slice-2x4        GLM-5.3-Flash-4layer    2 x 4        2   2   2   4             4 / 4
-    slice-1x8        GLM-5.3-Flash-4layer    1 x 8        2   2   2   4             4 / 4
-    lora-full-3x8    GLM-5.3-Flash (LoRA)    3 x 8        8   1  24   24 (one 8-GPU engine a node)  8 / 8
-    lora-slice-1x8   GLM-5.3-Flash-4layer (LoRA) 1 x 8    2   2   2   4             4 / 4
+The launchers (radixark/miles #2786 as merged, `scripts/run_glm5_3_flash.py`; the LoRA launcher
+`scripts/run_glm5_3_flash_lora.py`) do not look a shape up in a table; they compute it:
+- full launcher, GLM-5.3-Flash: only on 32 or 64 GPUs; TP 8, PP 4 split 11 / 11 / 11 / 12
+  (`--decoder-first-pipeline-num-layers 11 --decoder-last-pipeline-num-layers 12`), EP = GPUs / 4,
+  one SGLang engine per 8 GPUs (TP 8 / EP 8); activations at `--max-tokens-per-gpu 8192`, the trainer
+  offloaded to disk;
+- full launcher, GLM-5.3-Flash-4layer: only on 8 GPUs; TP 2, PP 2, EP 2, engines of 4 GPUs;
+- LoRA launcher, either model: TP = `--tensor-model-parallel-size` (0: min(8, GPUs a node)), which must
+  divide the GPUs; PP 1; EP = every GPU, which must divide the 288 experts; engines of
+  `--rollout-num-gpus-per-engine` GPUs (0: a node's); `--max-tokens-per-gpu 16384`, offload to CPU.
+Every launcher colocates (`--colocate`): the rollout uses all the trainer's GPUs, so there are
+GPUs / engine-GPUs engines. Expert TP is 1 and CP 1 everywhere.
 
-The PP-4 shapes run 11 / 11 / 11 / 12 layers per stage (`--decoder-last-pipeline-num-layers 12`).
-Rollout is colocated with the trainer (the recipe's `--colocate`); expert tensor parallelism is 1,
-so EP spans the data-parallel ranks of a pipeline stage. (The LoRA 4-layer launch names no layout
-in the recipe; it reuses the slice's.)
+    recipe row                       nodes x GPUs  TP  PP  EP  engine GPUs  engines
+    full-16x4       GLM-5.3-Flash     16 x 4        8   4  16   8            8
+    full-8x4        GLM-5.3-Flash      8 x 4        8   4   8   8            4
+    slice-2x4       ...-4layer         2 x 4        2   2   2   4            2
+    slice-1x8       ...-4layer         1 x 8        2   2   2   4            2
+    lora-full-3x8   GLM-5.3-Flash      3 x 8        8   1  24   8            3
+    lora-slice-1x8  ...-4layer         1 x 8        8   1   8   8            1
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+
+FULL, SLICE = "GLM-5.3-Flash", "GLM-5.3-Flash-4layer"
+MODELS = (FULL, SLICE)
+ROUTED_EXPERTS = 288   # the LoRA launcher's own check uses this number for both models
 
 
 @dataclass(frozen=True)
@@ -28,11 +40,12 @@ class Shape:
     tp: int
     pp: int
     ep: int
-    rollout_gpus: int
-    engine_tp: int
-    engine_ep: int
+    engine_gpus: int                       # --rollout-num-gpus-per-engine (= SGLang TP = SGLang EP)
     lora: bool = False
-    last_stage_layers: int | None = None   # --decoder-last-pipeline-num-layers, when the split is uneven
+    first_stage_layers: int | None = None  # --decoder-first-pipeline-num-layers, when the launcher sets it
+    last_stage_layers: int | None = None   # --decoder-last-pipeline-num-layers
+    max_tokens_per_gpu: int = 8192
+    offload: str = "disk"                  # --offload-train-target
 
     @property
     def world(self) -> int:
@@ -43,52 +56,96 @@ class Shape:
         return self.world // (self.tp * self.pp)
 
     @property
+    def rollout_gpus(self) -> int:
+        """Colocated: the rollout runs on every trainer GPU (the framework sets rollout_num_gpus so)."""
+        return self.world
+
+    @property
     def engines(self) -> int:
-        return self.rollout_gpus // self.engine_tp
+        return self.rollout_gpus // self.engine_gpus
+
+    @property
+    def engine_tp(self) -> int:
+        return self.engine_gpus
+
+    @property
+    def engine_ep(self) -> int:
+        return self.engine_gpus
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "world": self.world, "dp": self.dp, "engines": self.engines}
-
-
-FULL, SLICE = "GLM-5.3-Flash", "GLM-5.3-Flash-4layer"
-SHAPES = (
-    Shape("full-16x4", FULL, 16, 4, tp=8, pp=4, ep=16, rollout_gpus=8, engine_tp=8, engine_ep=8, last_stage_layers=12),
-    Shape("full-8x4", FULL, 8, 4, tp=8, pp=4, ep=8, rollout_gpus=8, engine_tp=8, engine_ep=8, last_stage_layers=12),
-    Shape("slice-2x4", SLICE, 2, 4, tp=2, pp=2, ep=2, rollout_gpus=4, engine_tp=4, engine_ep=4),
-    Shape("slice-1x8", SLICE, 1, 8, tp=2, pp=2, ep=2, rollout_gpus=4, engine_tp=4, engine_ep=4),
-    Shape("lora-full-3x8", FULL, 3, 8, tp=8, pp=1, ep=24, rollout_gpus=24, engine_tp=8, engine_ep=8, lora=True),
-    Shape("lora-slice-1x8", SLICE, 1, 8, tp=2, pp=2, ep=2, rollout_gpus=4, engine_tp=4, engine_ep=4, lora=True),
-)
-MODELS = (FULL, SLICE)
+        return {**asdict(self), "world": self.world, "dp": self.dp, "rollout_gpus": self.rollout_gpus,
+                "engines": self.engines, "engine_tp": self.engine_tp, "engine_ep": self.engine_ep}
 
 
 class NoShape(ValueError):
-    """No row of the shape table fits the request; the message says why and lists the rows."""
+    """The launcher would refuse the request; the message says why (in the launcher's terms)."""
+
+
+def _positive(value, flag):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise NoShape(f"{flag} must be a positive integer, got {value!r}")
+
+
+def full_layout(model: str, nodes: int, gpus_per_node: int) -> Shape:
+    """The full launcher's layout (`scripts/run_glm5_3_flash.py`), or NoShape with its refusal."""
+    if model not in MODELS:
+        raise NoShape(f"--model-name {model!r}; allowed: {', '.join(MODELS)}")
+    _positive(nodes, "--num-nodes")
+    _positive(gpus_per_node, "--num-gpus-per-node")
+    world = nodes * gpus_per_node
+    name = f"{'full' if model == FULL else 'slice'}-{nodes}x{gpus_per_node}"
+    if model == FULL:
+        if world not in (32, 64):
+            raise NoShape(f"the launcher validates the full-model layout on 32 or 64 GPUs; {nodes} x {gpus_per_node} "
+                          f"= {world} (the recipe runs 16 x 4 and 8 x 4)")
+        return Shape(name, model, nodes, gpus_per_node, tp=8, pp=4, ep=world // 4, engine_gpus=8,
+                     first_stage_layers=11, last_stage_layers=12)
+    if world != 8:
+        raise NoShape(f"the launcher validates the 4-layer layout on 8 GPUs; {nodes} x {gpus_per_node} = {world} "
+                      f"(the recipe runs 2 x 4 and 1 x 8)")
+    return Shape(name, model, nodes, gpus_per_node, tp=2, pp=2, ep=2, engine_gpus=4)
+
+
+def lora_layout(model: str, nodes: int, gpus_per_node: int, tensor_parallel: int = 0,
+                engine_gpus: int = 0) -> Shape:
+    """The LoRA launcher's layout (`scripts/run_glm5_3_flash_lora.py`; 0 = its own default for TP and
+    the engine size), or NoShape with its refusal."""
+    if model not in MODELS:
+        raise NoShape(f"--model-name {model!r}; allowed: {', '.join(MODELS)}")
+    _positive(nodes, "--num-nodes")
+    _positive(gpus_per_node, "--num-gpus-per-node")
+    for value, flag in ((tensor_parallel, "--tensor-model-parallel-size"), (engine_gpus, "--rollout-num-gpus-per-engine")):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise NoShape(f"{flag} must be 0 (the launcher's default) or a positive integer, got {value!r}")
+    world = nodes * gpus_per_node
+    tp = tensor_parallel or min(8, gpus_per_node)
+    if world % tp:
+        raise NoShape(f"--tensor-model-parallel-size {tp} does not divide {nodes} x {gpus_per_node} = {world} GPUs")
+    if ROUTED_EXPERTS % world:
+        raise NoShape(f"the LoRA launcher sets EP to every GPU: expert parallel size {world} must divide "
+                      f"{ROUTED_EXPERTS} experts")
+    engine = engine_gpus or gpus_per_node
+    if world % engine:
+        raise NoShape(f"--rollout-num-gpus-per-engine {engine} does not divide the {world} rollout GPUs")
+    name = f"lora-{'full' if model == FULL else 'slice'}-{nodes}x{gpus_per_node}"
+    return Shape(name, model, nodes, gpus_per_node, tp=tp, pp=1, ep=world, engine_gpus=engine, lora=True,
+                 max_tokens_per_gpu=16384, offload="cpu")
+
+
+def pick_shape(model: str, nodes: int, gpus_per_node: int, lora: bool = False, **lora_options) -> Shape:
+    """The layout the launcher (`lora`: the LoRA one) chooses for `model` on nodes x gpus_per_node."""
+    if lora:
+        return lora_layout(model, nodes, gpus_per_node, **lora_options)
+    return full_layout(model, nodes, gpus_per_node)
+
+
+# The shapes the recipe's tables name, each as its launcher lays it out.
+SHAPES = (full_layout(FULL, 16, 4), full_layout(FULL, 8, 4), full_layout(SLICE, 2, 4), full_layout(SLICE, 1, 8),
+          lora_layout(FULL, 3, 8), lora_layout(SLICE, 1, 8))
 
 
 def table() -> list[dict]:
     return [s.as_dict() for s in SHAPES]
-
-
-def pick_shape(model: str, nodes: int, gpus_per_node: int, lora: bool = False) -> Shape:
-    """The recipe's layout for `model` on nodes x gpus_per_node, or NoShape explaining why none fits."""
-    if model not in MODELS:
-        raise NoShape(f"unknown model {model!r}; allowed: {', '.join(MODELS)}")
-    for value, flag in ((nodes, "--nodes"), (gpus_per_node, "--gpus-per-node")):
-        if not isinstance(value, int) or value < 1:
-            raise NoShape(f"{flag} must be a positive integer, got {value!r}")
-    rows = [s for s in SHAPES if s.model == model and s.lora == lora]
-    for s in rows:
-        if (s.nodes, s.gpus_per_node) == (nodes, gpus_per_node):
-            return s
-    kind = "LoRA " if lora else ""
-    have = ", ".join(f"{s.nodes} x {s.gpus_per_node} ({s.name})" for s in rows)
-    world = nodes * gpus_per_node
-    hint = ""
-    if rows and world < min(s.world for s in rows):
-        hint = f"; {world} GPUs are fewer than the smallest layout needs ({min(s.world for s in rows)})"
-    raise NoShape(f"no {kind}layout of the recipe for {model} on {nodes} x {gpus_per_node} GPUs{hint}; "
-                  f"the recipe has: {have}")
 
 
 def pipeline_split(layers: int, pp: int, first: int | None = None, last: int | None = None) -> list[int]:

@@ -1,0 +1,161 @@
+"""Running a launch, the one place both `glmkit launch` and notebook 03 do it: the cluster (an address,
+or a head glmkit starts on 127.0.0.1 and stops however the run ends), the job (submitted, or re-attached
+by its run name), following it into the metrics store, stopping it, and the run's verdict.
+
+    with open_cluster(address=None, num_cpus=2) as cluster:      # None: a local head, stopped at the end
+        result = run_builtin(cluster, fields, run_name="smoke")   # glmkit's GRPO as Ray actors
+        result = run_miles(cluster, launch_plan, run_name="full") # the recipe's launcher, its training job
+    verdict = launch_verdict(result, launch_plan)
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from glmkit.launch import jobs
+
+# Variables of the client's environment the recipe's launcher reads itself (it turns WANDB_API_KEY into
+# --wandb-key and MASTER_ADDR into the training job's MASTER_ADDR and no_proxy): they go to its job.
+LAUNCHER_ENV = ("WANDB_API_KEY", "MASTER_ADDR", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "NCCL_DEBUG",
+                "NCCL_DEBUG_FILE", "GITHUB_COMMIT_NAME")
+
+
+@dataclass
+class Cluster:
+    address: str           # the Jobs API, http://HOST:PORT
+    client: object         # ray.job_submission.JobSubmissionClient
+    head: object = None    # the LocalHead glmkit started, if it did
+
+    def inventory(self) -> list[dict]:
+        from glmkit.launch.cluster import inventory
+
+        return inventory(self.address)
+
+
+@contextmanager
+def open_cluster(address: str | None = None, num_cpus: int = 2, num_gpus: int | None = None):
+    """The cluster at `address`, or (None) a head started on 127.0.0.1 for the block: stopped when the
+    block ends (normally or by an exception, Ctrl-C included) and, by its guard, when this process ends
+    in any other way."""
+    from glmkit.launch.cluster import LocalHead, connect
+
+    head = LocalHead.start(num_cpus=num_cpus, num_gpus=num_gpus) if address is None else None
+    try:
+        dashboard = head.dashboard if head else address
+        yield Cluster(dashboard, connect(dashboard), head)
+    finally:
+        if head is not None:
+            head.stop()
+
+
+def run_builtin(cluster: Cluster, fields: dict, run_name: str, *, rollout_actors: int = 1, trainers: int = 0,
+                gpus: bool = False, bundle_gpu: float = 1.0, reattach: bool = True, metrics_out=None,
+                on_rows=None, on_log=None, on_job=None, poll: float = 1.0) -> jobs.JobResult:
+    """glmkit's GRPO (TrainConfig `fields`) as a Ray job: re-attached when a job of `run_name` is still
+    running (and `reattach`), else submitted, with a fresh metrics store; followed to its end."""
+    from glmkit.rl.loop import TrainConfig
+
+    TrainConfig(**fields).resolved()  # a bad config fails here, before any cluster work
+    nodes = cluster.inventory()
+    free = sum(n["gpus"] / bundle_gpu if gpus else n["cpus"] for n in nodes if n["alive"])
+    bundles = rollout_actors + trainers
+    if free < bundles:
+        raise ValueError(f"{rollout_actors} rollout actors and {trainers} separate trainers need {bundles} "
+                         f"{'GPU' if gpus else 'CPU'} bundles; the cluster has {free:g}")
+    job = jobs.find_job(cluster.client, run_name) if reattach else None
+    if job is None:
+        _fresh(metrics_out)
+        python = jobs.local_python() if cluster.head else "python3"
+        job = jobs.submit(cluster.client, jobs.builtin_entrypoint(fields, rollout_actors, gpus, python,
+                                                                  trainers=trainers, bundle_gpu=bundle_gpu), run_name)
+    if on_job is not None:
+        on_job(job)
+    return jobs.follow(cluster.client, job, metrics_out=metrics_out, on_rows=on_rows, on_log=on_log, poll=poll)
+
+
+def run_miles(cluster: Cluster, plan, run_name: str, *, reattach: bool = True, metrics_out=None, on_rows=None,
+              on_log=None, on_job=None, env: dict | None = None, poll: float = 1.0) -> jobs.JobResult:
+    """The recipe's launcher as a Ray job (its LoRA `prepare` first), with the training job it submits
+    followed as the run: that is the job whose log carries the metrics, whose status is the run's, and
+    which `stop_run` stops. The launcher's job gets MILES_SCRIPT_EXTERNAL_RAY=1, the launcher's own
+    variables from this environment (LAUNCHER_ENV) and `env`; the training job gets, through
+    --extra-env-vars, the user's variables, NVLink multicast off and the marker glmkit finds it by."""
+    from glmkit.launch import commands
+
+    if not plan.ok:
+        raise ValueError("preflight failed; nothing submitted: "
+                         + "; ".join(f"{c.name}: {c.detail}" for c in plan.checks if not c.ok))
+    outer_env = {k: os.environ[k] for k in LAUNCHER_ENV if os.environ.get(k)}
+    outer_env.update(commands.parse_extra_env_vars(plan.given.get("extra_env_vars") or ""))
+    outer_env.update(env or {})
+    outer_env["MILES_SCRIPT_EXTERNAL_RAY"] = "1"
+    if cluster.head is not None:  # the launcher's `ray job submit` must reach this head, not :8265
+        outer_env["RAY_ADDRESS"] = cluster.address
+    job = jobs.find_job(cluster.client, run_name) if reattach else None
+    if job is None:
+        _fresh(metrics_out)
+        if plan.launcher.name == "lora":
+            prepare = next(c for c in plan.commands if c.name == "lora-prepare")
+            result = jobs.follow(cluster.client, jobs.submit(cluster.client, prepare.entrypoint(),
+                                                             f"{run_name}-prepare", outer_env), on_log=on_log,
+                                 poll=poll)
+            if not result.ok:
+                return result
+        job = jobs.new_submission_id(run_name)
+        train = commands.train(plan.launcher, plan.given, {jobs.PARENT_ENV: job})
+        jobs.submit(cluster.client, train.entrypoint(), run_name, outer_env, submission_id=job)
+    if on_job is not None:
+        on_job(job)
+    return jobs.follow_launch(cluster.client, job, metrics_out=metrics_out, on_rows=on_rows, on_log=on_log,
+                              poll=poll)
+
+
+def stop_run(cluster: Cluster, run_name: str, wait: float = 60.0) -> str | None:
+    """Stop the running job of `run_name` (for a launcher run, its training job first); None if none runs."""
+    job = jobs.find_job(cluster.client, run_name)
+    if job is None:
+        return None
+    return jobs.stop_launch(cluster.client, job, wait)
+
+
+def launch_verdict(result, plan=None, dry_run: bool = False) -> dict:
+    """pass only for a job that ran, succeeded and reported finite metric rows (after a passing
+    preflight, where there is a plan); a dry run is said to be one, never a pass."""
+    reasons = []
+    if plan is not None and not plan.ok:
+        reasons += [f"preflight: {c.name}: {c.detail}" for c in plan.checks if not c.ok]
+    if result is None:
+        if dry_run and not reasons:
+            return {"verdict": "dry run: nothing launched", "reasons": ["dry run: the plan and preflight only"]}
+        reasons.append("no job ran")
+    else:
+        if not result.ok:
+            reasons.append(f"job {result.job_id} {result.status.lower()}: {result.message}".rstrip(": "))
+        if not result.rows:
+            reasons.append("no metric rows arrived")
+        bad = [r for r in result.rows if any(isinstance(v, float) and not math.isfinite(v) for v in r.values())]
+        if bad:
+            reasons.append(f"{len(bad)} metric rows with NaN / Inf")
+    return {"verdict": "fail" if reasons else "pass", "reasons": reasons}
+
+
+def _fresh(metrics_out):
+    """A new run starts its metrics store empty (a re-attached one continues it). Only a metrics file is
+    removed (every line a JSON object); anything else at that path is refused, never deleted."""
+    import json
+
+    path = Path(metrics_out) if metrics_out is not None else None
+    if path is None or not path.exists():
+        return
+    try:
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        ours = path.is_file() and not path.is_symlink() and all(isinstance(r, dict) for r in rows)
+    except (OSError, ValueError, UnicodeDecodeError):
+        ours = False
+    if not ours:
+        raise FileExistsError(f"{path}: exists and is not a metrics file; give another metrics path")
+    path.unlink()
