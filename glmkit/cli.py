@@ -341,7 +341,7 @@ def cmd_launch(args) -> int:
                   first_stage_layers=args.decoder_first_pipeline_num_layers,
                   last_stage_layers=args.decoder_last_pipeline_num_layers, options=given,
                   hf_checkpoint=given.pop("hf_checkpoint", None), ckpt_dir=given.pop("ckpt_dir", None),
-                  inventory=_inventory_or_none(args.address))
+                  inventory=_inventory_or_none(args.address), miles_dir=args.miles_dir)
     if args.stop:
         return _launch_stop(args)
     print(_json.dumps(launch.as_dict(), indent=2) if args.json else launch.text())
@@ -643,6 +643,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="follow the running job of --run-name if there is one (default), instead of a new one")
     p.add_argument("--stop", action="store_true", help="stop the running job of --run-name (its training processes)")
     p.add_argument("--metrics-out", default="reports/launch/metrics.jsonl")
+    p.add_argument("--miles-dir", help="miles: the framework's checkout on the cluster, where the commands run "
+                                       "(default /root/miles, the recipe's image)")
     p.add_argument("--prompt-data", help="the dataset (jsonl; first rows checked); miles: reaches the trainer "
                                          "through --extra-args (the launcher has no option for it)")
     p.add_argument("--input-key", help="miles, with --prompt-data: the prompt field (default prompt)")

@@ -4,8 +4,10 @@ by glmkit.launch.cluster.LocalHead, stopped at the end), real jobs through the J
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import ray
@@ -201,3 +203,93 @@ def test_a_local_head_comes_up_where_ray_left_an_auth_token(tmp_path, monkeypatc
         assert connect(head.dashboard).list_jobs() == []
     finally:
         head.stop()
+
+
+STAND_IN = Path(__file__).parent / "launcher_stand_in"
+
+
+def _stand_in_plan(tmp_path, lora=False, sleep=0.0):
+    from glmkit.launch import plan
+
+    extra = f"--sleep {sleep} --pid-file {tmp_path / 'train.pid'} --num-rollout 3"
+    return plan("GLM-5.3-Flash-4layer", 1, 8, lora=lora, gpu_mem_gib=288, miles_dir=str(STAND_IN),
+                options={"extra_env_vars": '{"USER_VAR": "from-the-user"}', "extra_args": extra})
+
+
+def _venv_path():
+    return {"PATH": f"{Path(PY).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_the_launchers_training_job_is_the_one_followed_and_gets_the_users_environment(head, tmp_path, lora):
+    """The launcher runs as a Ray job and submits the training job itself (the stand-in does as the
+    recipe's launchers do); glmkit follows that training job: its metric rows, its status, and the
+    variables given through --extra-env-vars, NVLink multicast off among them, read inside it."""
+    from glmkit.launch.run import Cluster, run_miles
+
+    cluster = Cluster(head.dashboard, connect(head.dashboard), head)
+    logs = []
+    result = run_miles(cluster, _stand_in_plan(tmp_path, lora), f"stand-in-{lora}", metrics_out=tmp_path / "m.jsonl",
+                       env=_venv_path(), on_log=logs.append, poll=0.2, timeout=180)
+    text = "".join(logs)
+    assert result.ok, (result.status, result.message, text[-3000:])
+    assert [r["rollout/step"] for r in result.rows] == [0, 1, 2]
+    assert read_metrics(tmp_path / "m.jsonl") == result.rows
+    env = json.loads(next(line for line in text.splitlines() if line.startswith("TRAIN_ENV "))[len("TRAIN_ENV "):])
+    assert env["USER_VAR"] == "from-the-user"
+    assert env["NCCL_NVLS_ENABLE"] == "0" and env["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"  # the launcher's 1 lost
+    args = json.loads(next(line for line in text.splitlines() if line.startswith("TRAIN_ARGS "))[len("TRAIN_ARGS "):])
+    assert "--use-rollout-routing-replay" in args if lora else "--use-rollout-routing-replay" not in args
+    launcher_job = jobs.find_job(cluster.client, f"stand-in-{lora}", running_only=False)
+    assert result.job_id == jobs.training_job(cluster.client, launcher_job) != launcher_job
+
+
+def test_stop_stops_the_training_processes_and_reattach_finds_them(head, tmp_path):
+    from glmkit.launch.run import Cluster, run_miles, stop_run
+
+    cluster = Cluster(head.dashboard, connect(head.dashboard), head)
+    plan = _stand_in_plan(tmp_path, sleep=600)
+    first = run_miles(cluster, plan, "stand-in-stop", env=_venv_path(), poll=0.2, timeout=60,
+                      metrics_out=tmp_path / "m.jsonl")
+    while first.status == "PENDING" or not (tmp_path / "train.pid").exists():  # the job is still starting
+        first = run_miles(cluster, plan, "stand-in-stop", env=_venv_path(), poll=0.2, timeout=10,
+                          metrics_out=tmp_path / "m.jsonl")
+    assert first.status == "RUNNING", first.message
+    pid = int((tmp_path / "train.pid").read_text())
+    os.kill(pid, 0)  # the training process runs
+    # a client closed and reopened: re-attach follows the same training job, its rows already there
+    again = run_miles(Cluster(head.dashboard, connect(head.dashboard), head), plan, "stand-in-stop", env=_venv_path(),
+                      poll=0.2, timeout=3, metrics_out=tmp_path / "m.jsonl")
+    assert again.job_id == first.job_id and len(again.rows) == 3
+    assert len(read_metrics(tmp_path / "m.jsonl")) == 3  # not written twice
+    assert stop_run(cluster, "stand-in-stop") == "STOPPED"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.2)
+    else:
+        pytest.fail(f"the training process {pid} still runs after stop")
+    assert jobs.find_job(cluster.client, "stand-in-stop") is None  # the launcher's job stopped too
+
+
+def test_reattach_to_a_finished_10000_row_job_replays_in_seconds(client, tmp_path):
+    """A re-attached follow reads the log once and hands every row over in one batch (the live view
+    draws once), not row by row."""
+    code = ("import json\nfor i in range(10000):\n    print('step ' + str(i) + ': ' + json.dumps("
+            "{'rollout/step': i, 'rollout/raw_reward': i / 10000}))")
+    script = tmp_path / "rows.py"
+    script.write_text(code)
+    job = jobs.submit(client, f"{PY} {script}", "ten-thousand")
+    deadline = time.monotonic() + 120
+    while jobs._status(client, job) not in jobs.TERMINAL and time.monotonic() < deadline:
+        time.sleep(0.5)
+    batches = []
+    start = time.monotonic()
+    result = jobs.follow(client, job, metrics_out=tmp_path / "m.jsonl", on_rows=batches.append, poll=0.2)
+    seconds = time.monotonic() - start
+    assert result.ok and len(result.rows) == 10000 and len(batches) == 1
+    assert seconds < 10, seconds
+    assert len(read_metrics(tmp_path / "m.jsonl")) == 10000

@@ -19,6 +19,7 @@ class LaunchPlan:
     values: dict = field(default_factory=dict)    # every launcher option as the launcher resolves it
     paths: dict = field(default_factory=dict)     # where the trainer reads and writes
     notes: list = field(default_factory=list)
+    miles_dir: str = "/root/miles"                # the framework's checkout on the cluster
 
     @property
     def ok(self) -> bool:
@@ -95,13 +96,15 @@ def plan(model: str | None = None, nodes: int | None = None, gpus_per_node: int 
          input_key: str | None = None, label_key: str | None = None, inventory: list | None = None,
          gpu_mem_gib: float | None = None, max_tokens_per_gpu: int | None = None, num_rollout: int | None = None,
          response_len: int | None = None, enable_r3: bool | None = None, first_stage_layers: int | None = None,
-         last_stage_layers: int | None = None, options: dict | None = None) -> LaunchPlan:
+         last_stage_layers: int | None = None, options: dict | None = None,
+         miles_dir: str | None = None) -> LaunchPlan:
     """The launch of the recipe's launcher (`lora`: the LoRA one) for these options, in the launcher's
     own terms: its layout (NoShape, a ValueError, when the launcher would refuse), every preflight check
     and the commands. `options`: any other launcher option by field name (`data_dir`, `extra_args`,
     `use_r3`, ...); an option the chosen launcher does not have is refused by name. `enable_r3` is the
     chosen launcher's routing-replay option (the LoRA launcher's `--use-r3`). Paths are checked when
-    given; the model config is the variant's, and the HF checkpoint's own config is checked against it."""
+    given; the model config is the variant's, and the HF checkpoint's own config is checked against it.
+    `miles_dir`: the framework's checkout on the cluster, where the commands run (default /root/miles)."""
     from glmkit.config import variant_config
     from glmkit.launch import commands, preflight
     from glmkit.launch.launcher import LAUNCHERS, extra_args_flags, option_spec
@@ -170,5 +173,6 @@ def plan(model: str | None = None, nodes: int | None = None, gpus_per_node: int 
              f"({commands.HOST_KILLS}): do not launch from a host others use for those"]
     if "ref_load" in paths and not ckpt_dir:
         notes.append(f"--ref-load {paths['ref_load']} must exist on the cluster (the conversion below writes it)")
-    cmds = commands.plan_commands(launcher, given, shape.gpus_per_node)
-    return LaunchPlan(shape, checks, cmds, launcher, given, values, paths, notes)
+    miles_dir = miles_dir or commands.MILES_DIR
+    cmds = commands.plan_commands(launcher, given, shape.gpus_per_node, miles_dir)
+    return LaunchPlan(shape, checks, cmds, launcher, given, values, paths, notes, miles_dir)

@@ -163,6 +163,9 @@ class LocalHead:
                 os.killpg(group, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
+        deadline = time.monotonic() + 10  # killed processes linger as zombies until init reaps them
+        while _group_alive(group) and time.monotonic() < deadline:
+            time.sleep(0.1)
         self.process.poll()
         shutil.rmtree(self.temp_dir, ignore_errors=True)
         try:

@@ -71,7 +71,7 @@ def torch_dist_dir(ckpt_dir: str, model: str) -> str:
 
 
 def conversion(model: str, hf_checkpoint: str, ckpt_dir: str, nproc: int,
-               megatron_path: str = MEGATRON_DIR) -> Command:
+               megatron_path: str = MEGATRON_DIR, miles_dir: str = MILES_DIR) -> Command:
     """The recipe's conversion of the HF checkpoint to --ref-load's torch_dist, one process a GPU of
     the node it runs on (the recipe writes 8 for its 8-GPU nodes)."""
     key = MEGATRON_MODEL_TYPE[model]
@@ -80,7 +80,7 @@ def conversion(model: str, hf_checkpoint: str, ckpt_dir: str, nproc: int,
     argv = ("torchrun", "--nproc-per-node", str(nproc), "tools/convert_hf_to_torch_dist.py", '"${MODEL_ARGS[@]}"',
             "--hf-checkpoint", hf_checkpoint, "--save", torch_dist_dir(ckpt_dir, model))
     env = {"CONVERT_KEEP_PP1": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "1", "PYTHONPATH": megatron_path}
-    return Command("convert", argv, env, prelude=prelude)
+    return Command("convert", argv, env, cwd=miles_dir, prelude=prelude)
 
 
 def launcher_given(given: dict, job_env: dict | None = None) -> dict:
@@ -91,16 +91,18 @@ def launcher_given(given: dict, job_env: dict | None = None) -> dict:
     return {**given, "extra_env_vars": json.dumps(env, sort_keys=True)}
 
 
-def train(launcher: Launcher, given: dict, job_env: dict | None = None) -> Command:
-    """The launcher's training run (the LoRA launcher's `train`) with the options the user gave."""
-    return Command("train", tuple(launcher.argv(launcher_given(given, job_env))), {"MILES_SCRIPT_EXTERNAL_RAY": "1"})
+def train(launcher: Launcher, given: dict, job_env: dict | None = None, miles_dir: str = MILES_DIR) -> Command:
+    """The launcher's training run (the LoRA launcher's `train`) with the options the user gave, run in
+    the framework's checkout `miles_dir`."""
+    return Command("train", tuple(launcher.argv(launcher_given(given, job_env))), {"MILES_SCRIPT_EXTERNAL_RAY": "1"},
+                   cwd=miles_dir)
 
 
-def lora_prepare(launcher: Launcher, given: dict) -> Command:
+def lora_prepare(launcher: Launcher, given: dict, miles_dir: str = MILES_DIR) -> Command:
     """The LoRA launcher's `prepare` (downloads the known HF checkpoint and the task's dataset)."""
     argv = launcher.argv(launcher_given(given))
     argv[argv.index("train")] = "prepare"
-    return Command("lora-prepare", tuple(argv), {"MILES_SCRIPT_EXTERNAL_RAY": "1"})
+    return Command("lora-prepare", tuple(argv), {"MILES_SCRIPT_EXTERNAL_RAY": "1"}, cwd=miles_dir)
 
 
 def runtime_env(extra: dict | None = None) -> dict:
@@ -113,15 +115,15 @@ def runtime_env(extra: dict | None = None) -> dict:
     return {"env_vars": env}
 
 
-def plan_commands(launcher: Launcher, given: dict, gpus_per_node: int) -> list[Command]:
+def plan_commands(launcher: Launcher, given: dict, gpus_per_node: int, miles_dir: str = MILES_DIR) -> list[Command]:
     """Everything a launch runs, in order: the conversion (full launcher), the LoRA launcher's
     prepare, the training run."""
     values = launcher.resolved(given)
     commands = []
     if launcher.name == "full":
         commands.append(conversion(values["model_name"], values["hf_checkpoint"], values["ckpt_dir"], gpus_per_node,
-                                   values["megatron_path"]))
+                                   values["megatron_path"], miles_dir))
     else:
-        commands.append(lora_prepare(launcher, given))
-    commands.append(train(launcher, given))
+        commands.append(lora_prepare(launcher, given, miles_dir))
+    commands.append(train(launcher, given, miles_dir=miles_dir))
     return commands

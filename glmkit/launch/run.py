@@ -78,7 +78,8 @@ def run_builtin(cluster: Cluster, fields: dict, run_name: str, *, rollout_actors
 
 
 def run_miles(cluster: Cluster, plan, run_name: str, *, reattach: bool = True, metrics_out=None, on_rows=None,
-              on_log=None, on_job=None, env: dict | None = None, poll: float = 1.0) -> jobs.JobResult:
+              on_log=None, on_job=None, env: dict | None = None, poll: float = 1.0,
+              timeout: float | None = None) -> jobs.JobResult:
     """The recipe's launcher as a Ray job (its LoRA `prepare` first), with the training job it submits
     followed as the run: that is the job whose log carries the metrics, whose status is the run's, and
     which `stop_run` stops. The launcher's job gets MILES_SCRIPT_EXTERNAL_RAY=1, the launcher's own
@@ -106,12 +107,12 @@ def run_miles(cluster: Cluster, plan, run_name: str, *, reattach: bool = True, m
             if not result.ok:
                 return result
         job = jobs.new_submission_id(run_name)
-        train = commands.train(plan.launcher, plan.given, {jobs.PARENT_ENV: job})
+        train = commands.train(plan.launcher, plan.given, {jobs.PARENT_ENV: job}, plan.miles_dir)
         jobs.submit(cluster.client, train.entrypoint(), run_name, outer_env, submission_id=job)
     if on_job is not None:
         on_job(job)
     return jobs.follow_launch(cluster.client, job, metrics_out=metrics_out, on_rows=on_rows, on_log=on_log,
-                              poll=poll)
+                              poll=poll, timeout=timeout)
 
 
 def stop_run(cluster: Cluster, run_name: str, wait: float = 60.0) -> str | None:
