@@ -293,3 +293,40 @@ def test_reattach_to_a_finished_10000_row_job_replays_in_seconds(client, tmp_pat
     assert result.ok and len(result.rows) == 10000 and len(batches) == 1
     assert seconds < 10, seconds
     assert len(read_metrics(tmp_path / "m.jsonl")) == 10000
+
+
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM", "exit"])
+def test_a_head_is_gone_when_the_process_that_started_it_ends(tmp_path, how):
+    """However the starter ends (killed, terminated, or a normal exit without stop()), the head's
+    guard stops every process of the head and removes its temp dir."""
+    import signal
+    import subprocess
+
+    code = ("import sys, time\nfrom glmkit.launch.cluster import LocalHead\nhead = LocalHead.start(num_cpus=1)\n"
+            "print(head.temp_dir, flush=True)\n" + ("time.sleep(600)\n" if how != "exit" else "sys.exit(0)\n"))
+    proc = subprocess.Popen([PY, "-c", code], stdout=subprocess.PIPE, text=True)
+    temp_dir = proc.stdout.readline().strip()
+    assert temp_dir.startswith("/tmp/glmray-")
+    assert _processes_mentioning(temp_dir)  # the head runs
+    if how != "exit":
+        proc.send_signal(getattr(signal, how))
+    proc.wait(60)
+    deadline = time.monotonic() + 30
+    while _processes_mentioning(temp_dir) and time.monotonic() < deadline:
+        time.sleep(0.25)
+    assert not _processes_mentioning(temp_dir), _processes_mentioning(temp_dir)
+    assert not Path(temp_dir).exists()
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    """Live (not zombie) processes whose command line names `text`."""
+    import psutil
+
+    found = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        try:
+            if p.info["status"] != psutil.STATUS_ZOMBIE and any(text in part for part in p.info["cmdline"] or ()):
+                found.append(p.pid)
+        except psutil.Error:
+            pass
+    return found

@@ -30,26 +30,49 @@ class Cluster:
     client: object         # ray.job_submission.JobSubmissionClient
     head: object = None    # the LocalHead glmkit started, if it did
 
+    @classmethod
+    def open(cls, address: str | None = None, num_cpus: int = 2, num_gpus: int | None = None) -> "Cluster":
+        """The cluster at `address`, or (None) a head started on 127.0.0.1: `close()` stops it, and its
+        guard does when this process (a notebook kernel) ends in any other way."""
+        from glmkit.launch.cluster import LocalHead, connect
+
+        head = LocalHead.start(num_cpus=num_cpus, num_gpus=num_gpus) if address is None else None
+        try:
+            dashboard = head.dashboard if head else address
+            return cls(dashboard, connect(dashboard), head)
+        except BaseException:
+            if head is not None:
+                head.stop()
+            raise
+
+    def close(self):
+        """Stop the head glmkit started (nothing, for a cluster it was given)."""
+        if self.head is not None:
+            self.head.stop()
+
     def inventory(self) -> list[dict]:
         from glmkit.launch.cluster import inventory
 
         return inventory(self.address)
 
 
+def try_open(address: str | None = None, num_cpus: int = 2, num_gpus: int | None = None):
+    """(Cluster, None), or (None, why it could not be opened) for a report to state as a failure."""
+    try:
+        return Cluster.open(address, num_cpus, num_gpus), None
+    except Exception as err:  # reported, not raised: the run's verdict says the start failed and why
+        return None, f"the cluster could not be opened: {type(err).__name__}: {str(err).strip()[:2000]}"
+
+
 @contextmanager
 def open_cluster(address: str | None = None, num_cpus: int = 2, num_gpus: int | None = None):
-    """The cluster at `address`, or (None) a head started on 127.0.0.1 for the block: stopped when the
-    block ends (normally or by an exception, Ctrl-C included) and, by its guard, when this process ends
-    in any other way."""
-    from glmkit.launch.cluster import LocalHead, connect
-
-    head = LocalHead.start(num_cpus=num_cpus, num_gpus=num_gpus) if address is None else None
+    """`Cluster.open` for a block: a head glmkit started is stopped when the block ends (normally or by
+    an exception, Ctrl-C included) and, by its guard, when this process ends in any other way."""
+    cluster = Cluster.open(address, num_cpus, num_gpus)
     try:
-        dashboard = head.dashboard if head else address
-        yield Cluster(dashboard, connect(dashboard), head)
+        yield cluster
     finally:
-        if head is not None:
-            head.stop()
+        cluster.close()
 
 
 def run_builtin(cluster: Cluster, fields: dict, run_name: str, *, rollout_actors: int = 1, trainers: int = 0,
@@ -123,10 +146,11 @@ def stop_run(cluster: Cluster, run_name: str, wait: float = 60.0) -> str | None:
     return jobs.stop_launch(cluster.client, job, wait)
 
 
-def launch_verdict(result, plan=None, dry_run: bool = False) -> dict:
+def launch_verdict(result, plan=None, dry_run: bool = False, errors=()) -> dict:
     """pass only for a job that ran, succeeded and reported finite metric rows (after a passing
-    preflight, where there is a plan); a dry run is said to be one, never a pass."""
-    reasons = []
+    preflight, where there is a plan); a dry run is said to be one, never a pass; `errors` (a start
+    that failed, ...) are failures with their reasons."""
+    reasons = [e for e in errors if e]
     if plan is not None and not plan.ok:
         reasons += [f"preflight: {c.name}: {c.detail}" for c in plan.checks if not c.ok]
     if result is None:
