@@ -221,12 +221,17 @@ def _venv_path():
 
 
 @pytest.mark.parametrize("lora", [False, True])
-def test_the_launchers_training_job_is_the_one_followed_and_gets_the_users_environment(head, tmp_path, lora):
+def test_the_launchers_training_job_is_the_one_followed_and_gets_the_users_environment(head, tmp_path, lora,
+                                                                                       monkeypatch):
     """The launcher runs as a Ray job and submits the training job itself (the stand-in does as the
     recipe's launchers do); glmkit follows that training job: its metric rows, its status, and the
-    variables given through --extra-env-vars, NVLink multicast off among them, read inside it."""
+    variables given through --extra-env-vars, NVLink multicast off among them, read inside it; the
+    W&B key and MASTER_ADDR (the head's, as nothing else names it) reach the launcher, which hands
+    them on."""
     from glmkit.launch.run import Cluster, run_miles
 
+    monkeypatch.setenv("WANDB_API_KEY", "key-from-the-client")
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
     cluster = Cluster(head.dashboard, connect(head.dashboard), head)
     logs = []
     result = run_miles(cluster, _stand_in_plan(tmp_path, lora), f"stand-in-{lora}", metrics_out=tmp_path / "m.jsonl",
@@ -240,6 +245,9 @@ def test_the_launchers_training_job_is_the_one_followed_and_gets_the_users_envir
     assert env["NCCL_NVLS_ENABLE"] == "0" and env["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"  # the launcher's 1 lost
     args = json.loads(next(line for line in text.splitlines() if line.startswith("TRAIN_ARGS "))[len("TRAIN_ARGS "):])
     assert "--use-rollout-routing-replay" in args if lora else "--use-rollout-routing-replay" not in args
+    assert args[args.index("--wandb-key") + 1] == "key-from-the-client"
+    head_ip = inventory(head.dashboard)[0]["ip"]
+    assert env["MASTER_ADDR"] == head_ip and head_ip in env["no_proxy"].split(",")
     launcher_job = jobs.find_job(cluster.client, f"stand-in-{lora}", running_only=False)
     assert result.job_id == jobs.training_job(cluster.client, launcher_job) != launcher_job
 

@@ -106,7 +106,8 @@ def run_miles(cluster: Cluster, plan, run_name: str, *, reattach: bool = True, m
     """The recipe's launcher as a Ray job (its LoRA `prepare` first), with the training job it submits
     followed as the run: that is the job whose log carries the metrics, whose status is the run's, and
     which `stop_run` stops. The launcher's job gets MILES_SCRIPT_EXTERNAL_RAY=1, the launcher's own
-    variables from this environment (LAUNCHER_ENV) and `env`; the training job gets, through
+    variables from this environment (LAUNCHER_ENV), MASTER_ADDR (else the Ray head's address, which the
+    launcher hands on with no_proxy) and `env`; the training job gets, through
     --extra-env-vars, the user's variables, NVLink multicast off and the marker glmkit finds it by."""
     from glmkit.launch import commands
 
@@ -117,6 +118,10 @@ def run_miles(cluster: Cluster, plan, run_name: str, *, reattach: bool = True, m
     outer_env.update(commands.parse_extra_env_vars(plan.given.get("extra_env_vars") or ""))
     outer_env.update(env or {})
     outer_env["MILES_SCRIPT_EXTERNAL_RAY"] = "1"
+    if "MASTER_ADDR" not in outer_env:  # the launcher's MASTER_ADDR (and no_proxy) for the training job
+        head_ip = next((n["ip"] for n in cluster.inventory() if n["head"] and n["ip"]), None)
+        if head_ip:
+            outer_env["MASTER_ADDR"] = head_ip
     if cluster.head is not None:  # the launcher's `ray job submit` must reach this head, not :8265
         outer_env["RAY_ADDRESS"] = cluster.address
     job = jobs.find_job(cluster.client, run_name) if reattach else None

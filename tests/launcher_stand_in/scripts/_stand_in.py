@@ -46,6 +46,8 @@ def run(args, train_words):
     env = {"PYTHONUNBUFFERED": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "1", "NCCL_NVLS_ENABLE": "1",
            "no_proxy": f"127.0.0.1,{master}", "MASTER_ADDR": master}
     env.update(extra_env(args.extra_env_vars))
+    if os.environ.get("WANDB_API_KEY"):  # as the launchers turn the key into the trainer's argument
+        train_words = [*train_words, "--wandb-key", os.environ["WANDB_API_KEY"]]
     here = Path(__file__).resolve().parents[1]
     ray = shutil.which("ray", path=str(Path(sys.executable).parent)) or "ray"
     cmd = [ray, "job", "submit"]
