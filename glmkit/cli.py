@@ -327,8 +327,10 @@ def cmd_launch(args) -> int:
     import json as _json
 
     from glmkit.launch import plan
-    from glmkit.launch.run import launch_verdict, open_cluster, run_miles, stop_run
+    from glmkit.launch.run import launch_verdict, open_cluster, run_miles
 
+    if args.stop:
+        return _launch_stop(args)
     if args.backend == "builtin":
         return _launch_builtin(args)
     given = _launcher_options(args)
@@ -342,8 +344,6 @@ def cmd_launch(args) -> int:
                   last_stage_layers=args.decoder_last_pipeline_num_layers, options=given,
                   hf_checkpoint=given.pop("hf_checkpoint", None), ckpt_dir=given.pop("ckpt_dir", None),
                   inventory=_inventory_or_none(args.address), miles_dir=args.miles_dir)
-    if args.stop:
-        return _launch_stop(args)
     print(_json.dumps(launch.as_dict(), indent=2) if args.json else launch.text())
     if args.dry_run or not (args.address or args.local_head):
         if not args.dry_run and not args.json:
@@ -383,11 +383,9 @@ def _launch_stop(args) -> int:
 def _launch_builtin(args) -> int:
     import json as _json
 
-    from glmkit.launch.run import launch_verdict, open_cluster, run_builtin
+    from glmkit.launch.run import open_cluster, run_builtin
     from glmkit.rl.health import run_verdict
 
-    if args.stop:
-        return _launch_stop(args)
     if not args.address and not args.local_head:
         raise ValueError("--backend builtin needs --address http://HOST:8265 or --local-head")
     if args.bundle_gpu != 1 and args.device != "cuda":
@@ -421,8 +419,6 @@ def _launch_builtin(args) -> int:
     if result.ok:
         verdict = run_verdict(result.rows, model)
         print(f"run verdict: {verdict['verdict']}" + "".join(f"\n  - {r}" for r in verdict["reasons"]))
-    elif not launch_verdict(result)["verdict"] == "pass":
-        pass
     return 0 if result.ok else 1
 
 

@@ -107,7 +107,7 @@ def plan(model: str | None = None, nodes: int | None = None, gpus_per_node: int 
     `miles_dir`: the framework's checkout on the cluster, where the commands run (default /root/miles)."""
     from glmkit.config import variant_config
     from glmkit.launch import commands, preflight
-    from glmkit.launch.launcher import LAUNCHERS, extra_args_flags, option_spec
+    from glmkit.launch.launcher import HOST_KILLS, LAUNCHERS, extra_args_flags, option_spec
     from glmkit.launch.shapes import pick_shape
 
     launcher = LAUNCHERS["lora" if lora else "full"]
@@ -170,7 +170,7 @@ def plan(model: str | None = None, nodes: int | None = None, gpus_per_node: int 
     if prompt_data:
         checks.append(preflight.dataset_check(prompt_data, own["input_key"], own["label_key"]))
     notes = [f"the launcher first kills sglang, miles and redis processes on the host it runs on "
-             f"({commands.HOST_KILLS}): do not launch from a host others use for those"]
+             f"({HOST_KILLS}): do not launch from a host others use for those"]
     if "ref_load" in paths and not ckpt_dir:
         notes.append(f"--ref-load {paths['ref_load']} must exist on the cluster (the conversion below writes it)")
     miles_dir = miles_dir or commands.MILES_DIR

@@ -21,7 +21,7 @@ import json
 import shlex
 from dataclasses import dataclass, field
 
-from glmkit.launch.launcher import HOST_KILLS, MEGATRON_MODEL_TYPE, Launcher, parse_extra_env_vars  # noqa: F401
+from glmkit.launch.launcher import MEGATRON_MODEL_TYPE, Launcher, parse_extra_env_vars
 
 MILES_DIR = "/root/miles"
 MEGATRON_DIR = "/root/Megatron-LM"

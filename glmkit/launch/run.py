@@ -110,12 +110,13 @@ def run_miles(cluster: Cluster, plan, run_name: str, *, reattach: bool = True, m
     launcher hands on with no_proxy) and `env`; the training job gets, through
     --extra-env-vars, the user's variables, NVLink multicast off and the marker glmkit finds it by."""
     from glmkit.launch import commands
+    from glmkit.launch.launcher import parse_extra_env_vars
 
     if not plan.ok:
         raise ValueError("preflight failed; nothing submitted: "
                          + "; ".join(f"{c.name}: {c.detail}" for c in plan.checks if not c.ok))
     outer_env = {k: os.environ[k] for k in LAUNCHER_ENV if os.environ.get(k)}
-    outer_env.update(commands.parse_extra_env_vars(plan.given.get("extra_env_vars") or ""))
+    outer_env.update(parse_extra_env_vars(plan.given.get("extra_env_vars") or ""))
     outer_env.update(env or {})
     outer_env["MILES_SCRIPT_EXTERNAL_RAY"] = "1"
     if "MASTER_ADDR" not in outer_env:  # the launcher's MASTER_ADDR (and no_proxy) for the training job
