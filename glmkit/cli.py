@@ -331,6 +331,8 @@ def cmd_launch(args) -> int:
 
     if args.stop:
         return _launch_stop(args)
+    if args.attach:
+        return _launch_attach(args)
     if args.backend == "builtin":
         return _launch_builtin(args)
     given = _launcher_options(args)
@@ -354,13 +356,36 @@ def cmd_launch(args) -> int:
         return 1
     with open_cluster(args.address if not args.local_head else None) as cluster:
         result = run_miles(cluster, launch, args.run_name, reattach=args.reattach, metrics_out=args.metrics_out,
-                           on_log=lambda t: print(t, end=""),
-                           on_job=lambda j: print(f"launcher job {j} on {cluster.address}; following (Ctrl-C stops "
-                                                  f"following, not the job; --stop stops it)"))
+                           on_log=lambda t: print(t, end=""), on_job=lambda j: print(_following(cluster, j)),
+                           on_training_job=lambda j: print(f"training job {j} (the launcher's)"))
     print(result.summary())
     verdict = launch_verdict(result, launch)
     print(f"verdict: {verdict['verdict']}" + "".join(f"\n  - {r}" for r in verdict["reasons"]))
-    return 0 if result.ok else 1
+    return 0 if verdict["verdict"] == "pass" else 1
+
+
+def _following(cluster, job) -> str:
+    if cluster.head is not None:
+        return f"job {job} on {cluster.address}; following (the head is this command's: Ctrl-C stops the run)"
+    return f"job {job} on {cluster.address}; following (Ctrl-C stops following, not the job; --stop stops it)"
+
+
+def _launch_attach(args) -> int:
+    from glmkit.launch.cluster import connect
+    from glmkit.launch.run import Cluster, attach, launch_verdict
+
+    if not args.address:
+        raise ValueError("--attach needs --address http://HOST:8265 (the cluster the run is on)")
+    result = attach(Cluster(args.address, connect(args.address)), args.run_name, metrics_out=args.metrics_out,
+                    on_log=lambda t: print(t, end=""),
+                    on_training_job=lambda j: print(f"training job {j} (the launcher's)"))
+    if result is None:
+        print(f"no job of {args.run_name!r} on {args.address}", file=sys.stderr)
+        return 1
+    print(result.summary())
+    verdict = launch_verdict(result)
+    print(f"verdict: {verdict['verdict']}" + "".join(f"\n  - {r}" for r in verdict["reasons"]))
+    return 0 if verdict["verdict"] == "pass" else 1
 
 
 def _inventory_or_none(address):
@@ -383,7 +408,7 @@ def _launch_stop(args) -> int:
 def _launch_builtin(args) -> int:
     import json as _json
 
-    from glmkit.launch.run import open_cluster, run_builtin
+    from glmkit.launch.run import launch_verdict, open_cluster, run_builtin
     from glmkit.rl.health import run_verdict
 
     if not args.address and not args.local_head:
@@ -412,14 +437,16 @@ def _launch_builtin(args) -> int:
         result = run_builtin(cluster, fields, args.run_name, rollout_actors=args.rollout_actors,
                              trainers=args.trainers, gpus=args.device == "cuda", bundle_gpu=args.bundle_gpu,
                              reattach=args.reattach, metrics_out=args.metrics_out,
-                             on_job=lambda j: print(f"job {j}"),
+                             on_job=lambda j: print(_following(cluster, j)),
                              on_rows=lambda rows: [print(_json.dumps(r)) for r in rows
                                                    if "rollout/step" in r and "train/step" not in r])
     print(result.summary())
+    verdict = launch_verdict(result)
+    print(f"verdict: {verdict['verdict']}" + "".join(f"\n  - {r}" for r in verdict["reasons"]))
     if result.ok:
-        verdict = run_verdict(result.rows, model)
-        print(f"run verdict: {verdict['verdict']}" + "".join(f"\n  - {r}" for r in verdict["reasons"]))
-    return 0 if result.ok else 1
+        health = run_verdict(result.rows, model)
+        print(f"run verdict: {health['verdict']}" + "".join(f"\n  - {r}" for r in health["reasons"]))
+    return 0 if verdict["verdict"] == "pass" else 1
 
 
 def cmd_serve(args) -> int:
@@ -638,6 +665,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reattach", action=argparse.BooleanOptionalAction, default=True,
                    help="follow the running job of --run-name if there is one (default), instead of a new one")
     p.add_argument("--stop", action="store_true", help="stop the running job of --run-name (its training processes)")
+    p.add_argument("--attach", action="store_true",
+                   help="follow the newest job of --run-name, running or finished, submitting nothing")
     p.add_argument("--metrics-out", default="reports/launch/metrics.jsonl")
     p.add_argument("--miles-dir", help="miles: the framework's checkout on the cluster, where the commands run "
                                        "(default /root/miles, the recipe's image)")
@@ -729,10 +758,27 @@ def _glmkit_warnings(command: str, default):
     return show
 
 
+# Options whose value is itself a command line (`--extra-args "--lr 2e-6"`, as the launchers take it):
+# argparse would read such a value as an option, so it is joined to its flag before parsing.
+_COMMAND_LINE_VALUES = ("--extra-args", "--extra-env-vars")
+
+
+def _values_that_look_like_options(argv: list) -> list:
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] in _COMMAND_LINE_VALUES and i + 1 < len(argv) and argv[i + 1].startswith("-"):
+            out.append(f"{argv[i]}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(argv[i])
+        i += 1
+    return out
+
+
 def main(argv=None) -> int:
     import warnings
 
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(_values_that_look_like_options(sys.argv[1:] if argv is None else list(argv)))
     from glmkit.checkpoint import CheckpointError
 
     default_show, warnings.showwarning = warnings.showwarning, _glmkit_warnings(args.command, warnings.showwarning)

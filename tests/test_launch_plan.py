@@ -104,8 +104,10 @@ def test_the_users_paths_and_settings_reach_the_trainer():
                                                              "skip_saving": False, "run_id": "r1",
                                                              "extra_args": "--lr 2e-6",
                                                              "extra_env_vars": "WANDB_MODE=offline"})
-    argv = list(launch.commands[-1].argv)
+    argv = [part for w in launch.commands[-1].argv for part in (w.split("=", 1) if w.startswith("--extra") else [w])]
     value = {argv[i]: argv[i + 1] for i in range(len(argv) - 1) if argv[i].startswith("--")}
+    # a value that begins with '-' is joined to its flag, so no parser takes it for an option
+    assert any(w.startswith("--extra-args=--lr 2e-6") for w in launch.commands[-1].argv)
     assert value["--hf-checkpoint"] == "/data/hf" and value["--ckpt-dir"] == "/data/ckpt"
     assert value["--data-dir"] == "/data/sets" and value["--save-dir"] == "/data/out" and "--no-skip-saving" in argv
     assert "--enable-r3" in argv
@@ -126,6 +128,12 @@ def test_the_users_paths_and_settings_reach_the_trainer():
     with pytest.raises(ValueError, match=r"--enable-r3: .* routing replay is its --use-r3"):
         plan("GLM-5.3-Flash-4layer", 1, 8, lora=True, options={"enable_r3": True})  # the CLI's --enable-r3
     assert plan("GLM-5.3-Flash-4layer", 1, 8, lora=True, enable_r3=False).values["use_r3"] is False  # the API's
+    for bad, why in (("--max-tokens-per-gpu", "has no value"), ("--max-tokens-per-gpu=lots", "'lots' is not an integer"),
+                     ("--prompt-data 'unclosed", "cannot be split as the shell would")):
+        with pytest.raises(ValueError, match=why):
+            plan("GLM-5.3-Flash-4layer", 1, 8, options={"extra_args": bad})
+    assert plan("GLM-5.3-Flash-4layer", 1, 8, options={"extra_args": "--prompt-data=/p.jsonl"}).paths["prompt_data"] \
+        == "/p.jsonl"
     with pytest.raises(ValueError, match="not KEY=VALUE"):
         plan("GLM-5.3-Flash-4layer", 1, 8, options={"extra_env_vars": "JUSTAWORD"})
     lora = plan("GLM-5.3-Flash-4layer", 1, 8, lora=True, options={"use_r3": False, "task": "dapo-math"})
@@ -149,6 +157,12 @@ def test_a_command_line_moves_between_glmkit_and_the_launcher_unchanged(capsys):
     assert sorted(rest) == sorted(options)
     assert data["layout"]["ep"] == 16 and data["routing_replay"]["on"] and data["ok"]
     assert data["paths"]["offload_dir"] == "/scratch/offload"
+    # a value that is itself a command line, as the launchers take it; secrets shown as ***
+    assert main(["launch", "--dry-run", "--json", "--gpu-memory-gib", "288", "--extra-args", "--lr 2e-6", "--extra-env-vars",
+                 '{"WANDB_API_KEY": "s3cr3t", "NCCL_DEBUG": "INFO"}']) == 0
+    text = capsys.readouterr().out
+    data = json.loads(text)
+    assert "--extra-args=--lr 2e-6" in data["commands"][-1]["argv"] and "s3cr3t" not in text and "***" in text
 
 
 def test_pipeline_split_as_megatron_derives_it():

@@ -259,7 +259,9 @@ def test_stop_stops_the_training_processes_and_reattach_finds_them(head, tmp_pat
     plan = _stand_in_plan(tmp_path, sleep=600)
     first = run_miles(cluster, plan, "stand-in-stop", env=_venv_path(), poll=0.2, timeout=60,
                       metrics_out=tmp_path / "m.jsonl")
+    deadline = time.monotonic() + 120
     while first.status == "PENDING" or not (tmp_path / "train.pid").exists():  # the job is still starting
+        assert first.status not in jobs.TERMINAL and time.monotonic() < deadline, (first.status, first.message)
         first = run_miles(cluster, plan, "stand-in-stop", env=_venv_path(), poll=0.2, timeout=10,
                           metrics_out=tmp_path / "m.jsonl")
     assert first.status == "RUNNING", first.message
@@ -283,9 +285,11 @@ def test_stop_stops_the_training_processes_and_reattach_finds_them(head, tmp_pat
     assert jobs.find_job(cluster.client, "stand-in-stop") is None  # the launcher's job stopped too
 
 
-def test_reattach_to_a_finished_10000_row_job_replays_in_seconds(client, tmp_path):
-    """A re-attached follow reads the log once and hands every row over in one batch (the live view
-    draws once), not row by row."""
+def test_attach_to_a_finished_10000_row_run_replays_in_seconds(head, client, tmp_path):
+    """Attaching to a finished run reads its log once and hands every row over in one batch (the live
+    view draws once), not row by row."""
+    from glmkit.launch.run import Cluster, attach
+
     code = ("import json\nfor i in range(10000):\n    print('step ' + str(i) + ': ' + json.dumps("
             "{'rollout/step': i, 'rollout/raw_reward': i / 10000}))")
     script = tmp_path / "rows.py"
@@ -296,11 +300,13 @@ def test_reattach_to_a_finished_10000_row_job_replays_in_seconds(client, tmp_pat
         time.sleep(0.5)
     batches = []
     start = time.monotonic()
-    result = jobs.follow(client, job, metrics_out=tmp_path / "m.jsonl", on_rows=batches.append, poll=0.2)
+    result = attach(Cluster(head.dashboard, connect(head.dashboard), head), "ten-thousand",
+                    metrics_out=tmp_path / "m.jsonl", on_rows=batches.append, poll=0.2)
     seconds = time.monotonic() - start
-    assert result.ok and len(result.rows) == 10000 and len(batches) == 1
+    assert result.job_id == job and result.ok and len(result.rows) == 10000 and len(batches) == 1
     assert seconds < 10, seconds
     assert len(read_metrics(tmp_path / "m.jsonl")) == 10000
+    assert attach(Cluster(head.dashboard, client, head), "no-such-run") is None
 
 
 @pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM", "exit"])

@@ -42,12 +42,10 @@ class LaunchPlan:
 
     @property
     def max_tokens_per_gpu(self) -> int:
-        from glmkit.launch.launcher import extra_args_flags
+        from glmkit.launch.launcher import extra_args_value
 
-        words = shlex.split(self.values.get("extra_args") or "")
-        if "--max-tokens-per-gpu" in extra_args_flags(self.values.get("extra_args")):
-            return int(words[len(words) - 1 - words[::-1].index("--max-tokens-per-gpu") + 1])
-        return self.shape.max_tokens_per_gpu
+        return extra_args_value(self.values.get("extra_args"), "--max-tokens-per-gpu", int) or \
+            self.shape.max_tokens_per_gpu
 
     def stage_split(self) -> list | None:
         check = next((c for c in self.checks if c.name == "pipeline split"), None)
@@ -55,7 +53,27 @@ class LaunchPlan:
             return None
         return [int(n) for n in check.detail.split(": ", 1)[1].split(" --")[0].split(" / ")]
 
+    def _secrets(self) -> list[str]:
+        """Values of secret-looking variables in --extra-env-vars (kept out of what is shown and saved)."""
+        import re
+
+        from glmkit.launch.launcher import parse_extra_env_vars
+
+        env = parse_extra_env_vars(self.given.get("extra_env_vars") or "")
+        return [v for k, v in env.items() if v and re.search(r"KEY|TOKEN|SECRET|PASSW|CREDENTIAL", k, re.I)]
+
+    def _redact(self, text: str) -> str:
+        for secret in self._secrets():
+            text = text.replace(secret, "***")
+        return text
+
     def as_dict(self) -> dict:
+        """The plan as data (what --json prints and notebook 03 saves), secret values shown as ***."""
+        import json
+
+        return json.loads(self._redact(json.dumps(self._as_dict())))
+
+    def _as_dict(self) -> dict:
         return {"ok": self.ok, "launcher": self.launcher.script, "shape": self.shape.as_dict(), "layout": self.layout(),
                 "routing_replay": self.routing_replay, "paths": self.paths, "options": self.given,
                 "notes": self.notes, "preflight": [c.__dict__ for c in self.checks],
@@ -80,7 +98,7 @@ class LaunchPlan:
         lines += ["", "commands:"]
         for cmd in self.commands:
             lines += [f"# {cmd.name}", cmd.shell(), ""]
-        return "\n".join(lines)
+        return self._redact("\n".join(lines))
 
 
 # glmkit's options for the miles backend that no launcher option carries: they reach the trainer
@@ -107,7 +125,7 @@ def plan(model: str | None = None, nodes: int | None = None, gpus_per_node: int 
     `miles_dir`: the framework's checkout on the cluster, where the commands run (default /root/miles)."""
     from glmkit.config import variant_config
     from glmkit.launch import commands, preflight
-    from glmkit.launch.launcher import HOST_KILLS, LAUNCHERS, extra_args_flags, option_spec
+    from glmkit.launch.launcher import HOST_KILLS, LAUNCHERS, extra_args_flags, extra_args_value, option_spec
     from glmkit.launch.shapes import pick_shape
 
     launcher = LAUNCHERS["lora" if lora else "full"]
@@ -150,18 +168,15 @@ def plan(model: str | None = None, nodes: int | None = None, gpus_per_node: int 
         given["extra_args"] = " ".join(filter(None, [values.get("extra_args") or "", shlex.join(added)]))
         values = launcher.resolved(given)
     paths = launcher.paths(values)
-    words = shlex.split(values.get("extra_args") or "")
+    extra = values.get("extra_args")
     for key, flag in (("prompt_data", "--prompt-data"), ("input_key", "--input-key"), ("label_key", "--label-key"),
                       ("hf_checkpoint", "--hf-checkpoint"), ("ref_load", "--ref-load"), ("save", "--save")):
-        if flag in words:  # the last one wins, as in the framework's argparse
-            paths[key] = words[len(words) - 1 - words[::-1].index(flag) + 1]
-
-    def from_extra(flag):
-        return int(words[len(words) - 1 - words[::-1].index(flag) + 1]) if flag in words else None
-
-    first = from_extra("--decoder-first-pipeline-num-layers")
-    last = from_extra("--decoder-last-pipeline-num-layers")
-    tokens = from_extra("--max-tokens-per-gpu") or shape.max_tokens_per_gpu
+        value = extra_args_value(extra, flag)
+        if value is not None:  # the last one wins, as in the framework's argparse
+            paths[key] = value
+    first = extra_args_value(extra, "--decoder-first-pipeline-num-layers", int)
+    last = extra_args_value(extra, "--decoder-last-pipeline-num-layers", int)
+    tokens = extra_args_value(extra, "--max-tokens-per-gpu", int) or shape.max_tokens_per_gpu
     checks = preflight.preflight(variant_config(shape.model), shape, inventory, gpu_mem_gib, tokens, first, last)
     if hf_checkpoint:
         checks.append(preflight.hf_checkpoint_check(shape.model, hf_checkpoint))

@@ -129,8 +129,9 @@ class LocalHead:
         guard = [sys.executable, "-m", "glmkit.launch.headguard", "--parent", str(os.getpid()),
                  "--temp-dir", temp_dir, "--log", log_path, "--", *argv]
         # its own session: a Ctrl-C meant for this process does not reach the head; stop() decides
-        process = subprocess.Popen(guard, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                   stderr=subprocess.DEVNULL, env=env, start_new_session=True)
+        with open(log_path, "ab") as log:  # the guard's own errors, if any, beside the head's output
+            process = subprocess.Popen(guard, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                       start_new_session=True)
         head = cls(process, ports, temp_dir, log_path)
         atexit.register(head.stop)
         while time.monotonic() < deadline:
@@ -147,26 +148,30 @@ class LocalHead:
         return None, None
 
     def stop(self, timeout: float = 45.0):
-        """Stop this head and everything it started, and nothing else: the guard is asked (it stops
-        `ray start`, then kills what is left of the processes it noted); if it does not finish within
-        `timeout` seconds, its process group is killed."""
+        """Stop this head and everything it started, and nothing else: the guard is asked (it signals
+        every process it noted under the head, SIGTERM then SIGKILL); if it does not finish within
+        `timeout` seconds, its process group is killed. A second call does nothing (the guard's pid,
+        reaped, may belong to someone else by then)."""
         atexit.unregister(self.stop)
-        group = self.process.pid
-        if self.process.poll() is None:
-            try:
-                self.process.send_signal(signal.SIGTERM)
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                pass
-        if _group_alive(group):
+        if self.process.poll() is not None:  # finished and reaped before: nothing of ours is left to signal
+            self._clean_files()
+            return
+        group = self.process.pid  # unreaped until the wait below: the number still names our group
+        try:
+            self.process.send_signal(signal.SIGTERM)
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
             try:
                 os.killpg(group, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
+            self.process.wait()
         deadline = time.monotonic() + 10  # killed processes linger as zombies until init reaps them
         while _group_alive(group) and time.monotonic() < deadline:
             time.sleep(0.1)
-        self.process.poll()
+        self._clean_files()
+
+    def _clean_files(self):
         shutil.rmtree(self.temp_dir, ignore_errors=True)
         try:
             os.unlink(self.log_path)

@@ -45,6 +45,33 @@ def _descendants(root) -> dict:
     return found
 
 
+def _adopted(me) -> list:
+    """(process, start time) of the guard's children other than the head: orphans it adopted."""
+    import psutil
+
+    found = []
+    try:
+        for p in me.children():
+            try:
+                found.append((p, p.create_time()))
+            except psutil.Error:
+                pass
+    except psutil.Error:
+        pass
+    return found
+
+
+def _reap():
+    """Collect adopted children that exited (a subreaper must, or they stay zombies)."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
 def _alive(noted: dict) -> list:
     """The noted processes still running with the start time noted (zombies count as gone)."""
     import psutil
@@ -60,6 +87,17 @@ def _alive(noted: dict) -> list:
     return alive
 
 
+def _become_subreaper():
+    """Linux: orphans of the head's processes (a double-forked child) are re-parented to this guard, not
+    to init, so they stay in view. Elsewhere a no-op."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        pass
+
+
 def guard(parent: int, temp_dir: str, log_path: str, argv: list[str], poll_s: float = POLL_S,
           grace_s: float = GRACE_S) -> int:
     """Run `argv` until told to stop, the parent is gone or it exits; then stop everything it started.
@@ -73,18 +111,25 @@ def guard(parent: int, temp_dir: str, log_path: str, argv: list[str], poll_s: fl
 
     signal.signal(signal.SIGTERM, ask)
     signal.signal(signal.SIGINT, ask)
+    _become_subreaper()
     with open(log_path, "ab") as log:
         head = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
     root = psutil.Process(head.pid)
     noted = {}
+    me = psutil.Process()
     while not stop["asked"] and os.getppid() == parent and head.poll() is None:
         noted.update(_descendants(root))
+        noted.update({p.pid: c for p, c in _adopted(me)})
+        _reap()
         time.sleep(poll_s)
     noted.update(_descendants(root))
     ended_by_itself = head.poll() is not None
     # everything at once (Ray's own orderly stop takes ~15 s on a head with a job; this head is
     # throwaway, its temp dir goes too): SIGTERM, then SIGKILL for what is left after the grace period
     for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, grace_s)):
+        noted.update(_descendants(root))       # what started since the last poll (a restarted worker)
+        noted.update(_descendants(psutil.Process()))  # orphans re-parented to this guard (a subreaper)
+        noted.pop(os.getpid(), None)
         for p in _alive(noted):
             try:
                 p.send_signal(sig)
@@ -93,6 +138,7 @@ def guard(parent: int, temp_dir: str, log_path: str, argv: list[str], poll_s: fl
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline and _alive(noted):
             head.poll()  # reap it, or it would linger as a zombie of ours
+            _reap()
             time.sleep(poll_s / 5)
     head.poll()
     shutil.rmtree(temp_dir, ignore_errors=True)

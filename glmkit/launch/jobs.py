@@ -148,12 +148,33 @@ def follow_launch(client, launcher_job: str, metrics_out: str | Path | None = No
 
 
 def stop_launch(client, launcher_job: str, wait: float = 60.0) -> str:
-    """Stop a launcher run: the training job it submitted first (the processes that train), then the
-    launcher's own job. Returns the training job's final status (the launcher's when it had none)."""
-    inner = training_job(client, launcher_job)
-    status = stop(client, inner, wait) if inner is not None else None
-    outer = stop(client, launcher_job, wait) if _status(client, launcher_job) not in TERMINAL else None
-    return status or outer or _status(client, launcher_job)
+    """Stop a launcher run: the launcher's own job first (so it submits nothing more), then every training
+    job it submitted that still runs (the processes that train). Returns the last training job's final
+    status (the launcher's when it had none)."""
+    outer = stop(client, launcher_job, wait)
+    status = None
+    for job in client.list_jobs():
+        if ((job.runtime_env or {}).get("env_vars") or {}).get(PARENT_ENV) == launcher_job:
+            status = stop(client, job.submission_id, wait)
+    return status or outer
+
+
+def find_run(client, run_name: str, finished: bool = False) -> str | None:
+    """The job a run of `run_name` is followed by: its newest job tagged with the name (a launcher's job
+    or a builtin run) that still runs, or whose training job still runs (a launcher job can end before
+    the training job it submitted); with `finished`, the newest one whatever its state."""
+    listed = sorted(client.list_jobs(), key=lambda j: j.start_time or 0)
+    tagged = [j for j in listed if (j.metadata or {}).get("glmkit_run") == run_name]
+    if finished:
+        return tagged[-1].submission_id if tagged else None
+    parents_running = {((j.runtime_env or {}).get("env_vars") or {}).get(PARENT_ENV) for j in listed
+                       if _value(j.status) not in TERMINAL}
+    alive = [j for j in tagged if _value(j.status) not in TERMINAL or j.submission_id in parents_running]
+    return alive[-1].submission_id if alive else None
+
+
+def _value(status) -> str:
+    return getattr(status, "value", str(status))
 
 
 def find_job(client, run_name: str, running_only: bool = True) -> str | None:

@@ -63,9 +63,12 @@ class Option:
         return "--no-" + self.field.replace("_", "-")
 
     def words(self, value) -> list[str]:
-        """The launcher's words for `value`."""
+        """The launcher's words for `value` (`--flag=VALUE` when the value itself begins with '-', so that
+        no parser takes it for an option)."""
         if self.kind == "bool":
             return [self.flag if value else self.no_flag]
+        if str(value).startswith("-"):
+            return [f"{self.flag}={value}"]
         return [self.flag, str(value)]
 
 
@@ -233,6 +236,33 @@ def parse_extra_env_vars(text: str) -> dict:
     return env
 
 
+def extra_args_words(text: str) -> list[str]:
+    """--extra-args as the shell splits it, `--flag=value` written as two words."""
+    try:
+        words = shlex.split(text or "")
+    except ValueError as err:
+        raise ValueError(f"--extra-args: cannot be split as the shell would ({err}): {text!r}") from None
+    out = []
+    for w in words:
+        out += w.split("=", 1) if w.startswith("--") and "=" in w else [w]
+    return out
+
+
 def extra_args_flags(text: str) -> set:
     """The framework flags a user's --extra-args already sets."""
-    return {w.split("=", 1)[0] for w in shlex.split(text or "") if w.startswith("--")}
+    return {w for w in extra_args_words(text) if w.startswith("--")}
+
+
+def extra_args_value(text: str, flag: str, kind=str):
+    """The value the framework's argparse keeps for `flag` in --extra-args (the last one), or None."""
+    words = extra_args_words(text)
+    if flag not in words:
+        return None
+    at = len(words) - 1 - words[::-1].index(flag)
+    if at + 1 >= len(words) or words[at + 1].startswith("--"):
+        raise ValueError(f"--extra-args: {flag} has no value")
+    try:
+        return kind(words[at + 1])
+    except ValueError:
+        raise ValueError(f"--extra-args: {flag} {words[at + 1]!r} is not {'an integer' if kind is int else kind.__name__}") \
+            from None

@@ -89,7 +89,7 @@ def run_builtin(cluster: Cluster, fields: dict, run_name: str, *, rollout_actors
     if free < bundles:
         raise ValueError(f"{rollout_actors} rollout actors and {trainers} separate trainers need {bundles} "
                          f"{'GPU' if gpus else 'CPU'} bundles; the cluster has {free:g}")
-    job = jobs.find_job(cluster.client, run_name) if reattach else None
+    job = jobs.find_run(cluster.client, run_name) if reattach else None
     if job is None:
         _fresh(metrics_out)
         python = jobs.local_python() if cluster.head else "python3"
@@ -102,12 +102,14 @@ def run_builtin(cluster: Cluster, fields: dict, run_name: str, *, rollout_actors
 
 def run_miles(cluster: Cluster, plan, run_name: str, *, reattach: bool = True, metrics_out=None, on_rows=None,
               on_log=None, on_job=None, env: dict | None = None, poll: float = 1.0,
-              timeout: float | None = None) -> jobs.JobResult:
+              timeout: float | None = None, on_training_job=None) -> jobs.JobResult:
     """The recipe's launcher as a Ray job (its LoRA `prepare` first), with the training job it submits
     followed as the run: that is the job whose log carries the metrics, whose status is the run's, and
     which `stop_run` stops. The launcher's job gets MILES_SCRIPT_EXTERNAL_RAY=1, the launcher's own
-    variables from this environment (LAUNCHER_ENV), MASTER_ADDR (else the Ray head's address, which the
-    launcher hands on with no_proxy) and `env`; the training job gets, through
+    variables from this environment (LAUNCHER_ENV), the user's --extra-env-vars, MASTER_ADDR (else the
+    Ray head's address, which the launcher hands on with no_proxy), PYTHONPATH of the checkout and `env`
+    (Ray itself points the launcher's `ray job submit` at this cluster: it sets RAY_ADDRESS in a job's
+    driver); the training job gets, through
     --extra-env-vars, the user's variables, NVLink multicast off and the marker glmkit finds it by."""
     from glmkit.launch import commands
     from glmkit.launch.launcher import parse_extra_env_vars
@@ -123,9 +125,9 @@ def run_miles(cluster: Cluster, plan, run_name: str, *, reattach: bool = True, m
         head_ip = next((n["ip"] for n in cluster.inventory() if n["head"] and n["ip"]), None)
         if head_ip:
             outer_env["MASTER_ADDR"] = head_ip
-    if cluster.head is not None:  # the launcher's `ray job submit` must reach this head, not :8265
-        outer_env["RAY_ADDRESS"] = cluster.address
-    job = jobs.find_job(cluster.client, run_name) if reattach else None
+    # the launcher (and a LoRA launcher importing the full one's module) from the checkout it runs in
+    outer_env["PYTHONPATH"] = f"{plan.miles_dir}:{plan.values.get('megatron_path') or commands.MEGATRON_DIR}"
+    job = jobs.find_run(cluster.client, run_name) if reattach else None
     if job is None:
         _fresh(metrics_out)
         if plan.launcher.name == "lora":
@@ -141,14 +143,38 @@ def run_miles(cluster: Cluster, plan, run_name: str, *, reattach: bool = True, m
     if on_job is not None:
         on_job(job)
     return jobs.follow_launch(cluster.client, job, metrics_out=metrics_out, on_rows=on_rows, on_log=on_log,
-                              poll=poll, timeout=timeout)
+                              poll=poll, timeout=timeout, on_training_job=on_training_job)
+
+
+def attach(cluster: Cluster, run_name: str, *, metrics_out=None, on_rows=None, on_log=None, poll: float = 1.0,
+           timeout: float | None = None, on_training_job=None) -> jobs.JobResult | None:
+    """Follow the newest job of `run_name`, running or finished, submitting nothing (None when there is
+    none): what was written so far arrives in one batch, then the rest live. A launcher run is followed
+    through the training job it submitted."""
+    job = jobs.find_run(cluster.client, run_name, finished=True)
+    if job is None:
+        return None
+    if jobs.training_job(cluster.client, job) is not None or _is_launcher(cluster.client, job):
+        return jobs.follow_launch(cluster.client, job, metrics_out=metrics_out, on_rows=on_rows, on_log=on_log,
+                                  poll=poll, timeout=timeout, on_training_job=on_training_job)
+    return jobs.follow(cluster.client, job, metrics_out=metrics_out, on_rows=on_rows, on_log=on_log, poll=poll,
+                       timeout=timeout)
+
+
+def _is_launcher(client, job: str) -> bool:
+    env = (client.get_job_info(job).runtime_env or {}).get("env_vars") or {}
+    return env.get("MILES_SCRIPT_EXTERNAL_RAY") == "1"
 
 
 def stop_run(cluster: Cluster, run_name: str, wait: float = 60.0) -> str | None:
-    """Stop the running job of `run_name` (for a launcher run, its training job first); None if none runs."""
-    job = jobs.find_job(cluster.client, run_name)
+    """Stop the running job of `run_name` (a launcher run: the launcher, then the training jobs it
+    submitted; a LoRA run's prepare step too); None if none runs."""
+    prepare = jobs.find_run(cluster.client, f"{run_name}-prepare")
+    if prepare is not None:
+        jobs.stop(cluster.client, prepare, wait)
+    job = jobs.find_run(cluster.client, run_name)
     if job is None:
-        return None
+        return None if prepare is None else "STOPPED"
     return jobs.stop_launch(cluster.client, job, wait)
 
 

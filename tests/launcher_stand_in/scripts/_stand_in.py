@@ -42,7 +42,7 @@ def extra_env(text):
 
 
 def run(args, train_words):
-    master = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    master = os.environ.get("MASTER_ADDR", "no-master-addr-given")  # the real launcher: 127.0.0.1
     env = {"PYTHONUNBUFFERED": "1", "CUDA_DEVICE_MAX_CONNECTIONS": "1", "NCCL_NVLS_ENABLE": "1",
            "no_proxy": f"127.0.0.1,{master}", "MASTER_ADDR": master}
     env.update(extra_env(args.extra_env_vars))

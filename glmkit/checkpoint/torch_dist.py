@@ -1,0 +1,160 @@
+"""Megatron `torch_dist` checkpoints, read one tensor at a time without Megatron and without pickle.
+
+Layout Megatron writes (torch.distributed.checkpoint under the hood):
+
+    <dir>/latest_checkpointed_iteration.txt     "release" or an iteration number
+    <dir>/release/ or <dir>/iter_0000012/       the checkpoint itself:
+        .metadata                               DCP's index: every key, its global shape, dtype, chunks
+        __0_0.distcp, __1_0.distcp, ...         the data, each chunk a torch.save'd tensor
+        metadata.json, common.pt                Megatron's own (backend name; non-sharded state: not read)
+
+A key is a tensor (a parameter, or a buffer such as an expert bias) or a byte blob (`_extra_state` of
+Transformer Engine modules, optimizer and RNG entries): blobs are listed, never loaded. The `.metadata`
+index is a pickle: it is read by an unpickler that knows only DCP's own metadata classes, torch sizes,
+dtypes and layouts (anything else is refused, so a crafted index cannot run code), and tensor data is
+read by DCP with `torch.load(weights_only=True)`. One tensor is materialised at a time, so memory is
+bounded by the largest tensor.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import re
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from glmkit.checkpoint.hf import CheckpointError
+
+TRACKER = "latest_checkpointed_iteration.txt"
+_DCP_MODULES = ("torch.distributed.checkpoint.metadata",)
+_ALLOWED = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+            ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+            ("collections", "OrderedDict")}
+
+
+class _IndexUnpickler(pickle.Unpickler):
+    """DCP's `.metadata`, and nothing else: its dataclasses, torch.Size, dtypes, layouts."""
+
+    def find_class(self, module, name):
+        if module in _DCP_MODULES or (module, name) in _ALLOWED or \
+                (module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout))):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a torch.distributed.checkpoint index")
+
+
+@dataclass(frozen=True)
+class DistTensor:
+    key: str
+    shape: tuple
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+
+def resolve_dir(path) -> Path:
+    """The checkpoint folder of a torch_dist path: a folder with `.metadata` itself, or a Megatron save
+    folder whose tracker names `release` or an iteration."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: not found")
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: not a directory (a torch_dist checkpoint is a folder)")
+    if (path / ".metadata").is_file():
+        return path
+    tracker = path / TRACKER
+    if not tracker.is_file():
+        raise CheckpointError(f"{path}: no .metadata and no {TRACKER}: not a torch_dist checkpoint")
+    text = tracker.read_text(errors="replace").strip()
+    if text == "release":
+        folder = path / "release"
+    elif re.fullmatch(r"\d{1,12}", text):
+        folder = path / f"iter_{int(text):07d}"
+    else:
+        raise CheckpointError(f"{tracker}: {text[:40]!r}; expected 'release' or an iteration number")
+    if not (folder / ".metadata").is_file():
+        raise CheckpointError(f"{folder}/.metadata not found (the tracker names {text!r}): an incomplete checkpoint")
+    return folder
+
+
+class TorchDistCheckpoint:
+    """A torch_dist checkpoint's index, and its tensors one at a time."""
+
+    def __init__(self, path):
+        from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+        self.path = resolve_dir(path)
+        try:
+            with open(self.path / ".metadata", "rb") as f:
+                self.metadata = _IndexUnpickler(f).load()
+        except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, TypeError, ValueError) as err:
+            raise CheckpointError(f"{self.path}/.metadata: not a readable torch.distributed.checkpoint index "
+                                  f"({type(err).__name__}: {err})") from err
+        entries = getattr(self.metadata, "state_dict_metadata", None)
+        if not isinstance(entries, dict):
+            raise CheckpointError(f"{self.path}/.metadata: no state_dict_metadata in the index")
+        self.tensors: dict[str, DistTensor] = {}
+        self.blobs: list[str] = []
+        for key, meta in entries.items():
+            if isinstance(meta, TensorStorageMetadata):
+                self.tensors[key] = DistTensor(key, tuple(meta.size), meta.properties.dtype)
+            elif isinstance(meta, BytesStorageMetadata):
+                self.blobs.append(key)
+
+    def get(self, key: str) -> torch.Tensor:
+        """One tensor at its global shape (all its chunks, from whichever files hold them)."""
+        import torch.distributed.checkpoint as dcp
+
+        if key not in self.tensors:
+            raise KeyError(f"{key}: not a tensor of {self.path}")
+        info = self.tensors[key]
+        target = {key: torch.empty(info.shape, dtype=info.dtype)}
+        reader = _SafeReader(self.path, self.metadata)
+        with warnings.catch_warnings():  # one process, no process group: DCP says so, and loads
+            warnings.simplefilter("ignore")
+            try:
+                dcp.load(target, storage_reader=reader, no_dist=True)
+            except Exception as err:  # a missing or truncated data file: name the key and the folder
+                raise CheckpointError(f"{self.path}: cannot read {key}: {type(err).__name__}: "
+                                      f"{str(err).splitlines()[0] if str(err) else ''}") from err
+        return target[key]
+
+
+def _SafeReader(path: Path, metadata):
+    """DCP's FileSystemReader with the index already read safely (its own read_metadata would unpickle
+    the file with no restriction)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    class Reader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            return metadata
+
+    return Reader(str(path))
+
+
+def save_torch_dist(tensors: dict, folder, blobs: dict | None = None, iteration: int | None = None) -> Path:
+    """Write `tensors` (and byte `blobs`, as Megatron's `_extra_state`) as a torch_dist checkpoint in the
+    layout Megatron writes: `<folder>/release/` (or `iter_<n>/`) plus the tracker. For tests and for
+    writing a known-good conversion."""
+    import torch.distributed.checkpoint as dcp
+
+    folder = Path(folder)
+    name = "release" if iteration is None else f"iter_{iteration:07d}"
+    state = dict(tensors)
+    state.update({k: io.BytesIO(v) for k, v in (blobs or {}).items()})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, checkpoint_id=str(folder / name), no_dist=True)
+    (folder / "release" if iteration is None else folder / name).mkdir(parents=True, exist_ok=True)
+    (folder / name / "metadata.json").write_text('{"sharded_backend": "torch_dist", "sharded_backend_version": 1, '
+                                                 '"common_backend": "torch", "common_backend_version": 1}')
+    (folder / TRACKER).write_text("release" if iteration is None else str(iteration))
+    return folder
