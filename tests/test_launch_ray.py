@@ -126,10 +126,10 @@ def test_reattach_follow_and_stop_a_running_job(client, tmp_path):
     job = jobs.submit(client, f"{PY} -c {json.dumps(code)}", "long-run")
     first = jobs.follow(client, job, metrics_out=tmp_path / "m.jsonl", poll=0.2, timeout=8)
     assert first.status == "RUNNING" and first.rows == [row]
-    assert jobs.find_job(client, "long-run") == job  # what a restarted notebook re-attaches to
-    assert jobs.find_job(client, "no-such-run") is None
+    assert jobs.find_run(client, "long-run") == job  # what a restarted notebook re-attaches to
+    assert jobs.find_run(client, "no-such-run") is None
     assert jobs.stop(client, job) == "STOPPED"
-    assert jobs.find_job(client, "long-run") is None
+    assert jobs.find_run(client, "long-run") is None
     assert read_metrics(tmp_path / "m.jsonl") == [row]
 
 
@@ -248,7 +248,7 @@ def test_the_launchers_training_job_is_the_one_followed_and_gets_the_users_envir
     assert args[args.index("--wandb-key") + 1] == "key-from-the-client"
     head_ip = inventory(head.dashboard)[0]["ip"]
     assert env["MASTER_ADDR"] == head_ip and head_ip in env["no_proxy"].split(",")
-    launcher_job = jobs.find_job(cluster.client, f"stand-in-{lora}", running_only=False)
+    launcher_job = jobs.find_run(cluster.client, f"stand-in-{lora}", finished=True)
     assert result.job_id == jobs.training_job(cluster.client, launcher_job) != launcher_job
 
 
@@ -282,7 +282,7 @@ def test_stop_stops_the_training_processes_and_reattach_finds_them(head, tmp_pat
         time.sleep(0.2)
     else:
         pytest.fail(f"the training process {pid} still runs after stop")
-    assert jobs.find_job(cluster.client, "stand-in-stop") is None  # the launcher's job stopped too
+    assert jobs.find_run(cluster.client, "stand-in-stop") is None  # the launcher's job stopped too
 
 
 def test_attach_to_a_finished_10000_row_run_replays_in_seconds(head, client, tmp_path):

@@ -20,6 +20,8 @@ class LaunchPlan:
     paths: dict = field(default_factory=dict)     # where the trainer reads and writes
     notes: list = field(default_factory=list)
     miles_dir: str = "/root/miles"                # the framework's checkout on the cluster
+    stages: list | None = None                    # layers per pipeline stage (None: the split fails)
+    max_tokens_per_gpu: int = 8192                # as the trainer will run (the launcher's, or --extra-args)
 
     @property
     def ok(self) -> bool:
@@ -36,22 +38,9 @@ class LaunchPlan:
     def layout(self) -> dict:
         s = self.shape
         return {"tp": s.tp, "pp": s.pp, "ep": s.ep, "cp": 1, "expert_tp": 1, "dp": s.dp,
-                "pipeline_stages": self.stage_split(), "trainer_gpus": s.world, "rollout_gpus": s.rollout_gpus,
+                "pipeline_stages": self.stages, "trainer_gpus": s.world, "rollout_gpus": s.rollout_gpus,
                 "colocated": True, "engines": s.engines, "engine_gpus": s.engine_gpus, "engine_tp": s.engine_tp,
                 "engine_ep": s.engine_ep, "offload": s.offload, "max_tokens_per_gpu": self.max_tokens_per_gpu}
-
-    @property
-    def max_tokens_per_gpu(self) -> int:
-        from glmkit.launch.launcher import extra_args_value
-
-        return extra_args_value(self.values.get("extra_args"), "--max-tokens-per-gpu", int) or \
-            self.shape.max_tokens_per_gpu
-
-    def stage_split(self) -> list | None:
-        check = next((c for c in self.checks if c.name == "pipeline split"), None)
-        if check is None or not check.ok:
-            return None
-        return [int(n) for n in check.detail.split(": ", 1)[1].split(" --")[0].split(" / ")]
 
     def _secrets(self) -> list[str]:
         """Values of secret-looking variables in --extra-env-vars (kept out of what is shown and saved)."""
@@ -126,7 +115,7 @@ def plan(model: str | None = None, nodes: int | None = None, gpus_per_node: int 
     from glmkit.config import variant_config
     from glmkit.launch import commands, preflight
     from glmkit.launch.launcher import HOST_KILLS, LAUNCHERS, extra_args_flags, extra_args_value, option_spec
-    from glmkit.launch.shapes import pick_shape
+    from glmkit.launch.shapes import pick_shape, pipeline_split
 
     launcher = LAUNCHERS["lora" if lora else "full"]
     given = dict(options or {})
@@ -150,11 +139,11 @@ def plan(model: str | None = None, nodes: int | None = None, gpus_per_node: int 
                            "engine_gpus": values["rollout_num_gpus_per_engine"]} if lora else {}))
 
     # what the launcher has no option for goes through --extra-args, never silently dropped
-    own = {"prompt_data": prompt_data, "input_key": input_key if prompt_data or input_key else None,
-           "label_key": label_key if prompt_data or label_key else None, "max_tokens_per_gpu": max_tokens_per_gpu,
-           "first_stage_layers": first_stage_layers, "last_stage_layers": last_stage_layers}
-    if prompt_data:
-        own["input_key"], own["label_key"] = input_key or "prompt", label_key or "label"
+    if prompt_data:  # a dataset names its fields (the framework's defaults otherwise)
+        input_key, label_key = input_key or "prompt", label_key or "label"
+    own = {"prompt_data": prompt_data, "input_key": input_key, "label_key": label_key,
+           "max_tokens_per_gpu": max_tokens_per_gpu, "first_stage_layers": first_stage_layers,
+           "last_stage_layers": last_stage_layers}
     user_flags = extra_args_flags(values.get("extra_args"))
     added = []
     for key, value in own.items():
@@ -177,7 +166,14 @@ def plan(model: str | None = None, nodes: int | None = None, gpus_per_node: int 
     first = extra_args_value(extra, "--decoder-first-pipeline-num-layers", int)
     last = extra_args_value(extra, "--decoder-last-pipeline-num-layers", int)
     tokens = extra_args_value(extra, "--max-tokens-per-gpu", int) or shape.max_tokens_per_gpu
-    checks = preflight.preflight(variant_config(shape.model), shape, inventory, gpu_mem_gib, tokens, first, last)
+    config = variant_config(shape.model)
+    checks = preflight.preflight(config, shape, inventory, gpu_mem_gib, tokens, first, last)
+    try:
+        stages = pipeline_split(config.num_hidden_layers, shape.pp,
+                                shape.first_stage_layers if first is None else first,
+                                shape.last_stage_layers if last is None else last)
+    except ValueError:  # the preflight's "pipeline split" check says why
+        stages = None
     if hf_checkpoint:
         checks.append(preflight.hf_checkpoint_check(shape.model, hf_checkpoint))
     if ckpt_dir:
@@ -190,4 +186,4 @@ def plan(model: str | None = None, nodes: int | None = None, gpus_per_node: int 
         notes.append(f"--ref-load {paths['ref_load']} must exist on the cluster (the conversion below writes it)")
     miles_dir = miles_dir or commands.MILES_DIR
     cmds = commands.plan_commands(launcher, given, shape.gpus_per_node, miles_dir)
-    return LaunchPlan(shape, checks, cmds, launcher, given, values, paths, notes, miles_dir)
+    return LaunchPlan(shape, checks, cmds, launcher, given, values, paths, notes, miles_dir, stages, tokens)

@@ -45,22 +45,6 @@ def _descendants(root) -> dict:
     return found
 
 
-def _adopted(me) -> list:
-    """(process, start time) of the guard's children other than the head: orphans it adopted."""
-    import psutil
-
-    found = []
-    try:
-        for p in me.children():
-            try:
-                found.append((p, p.create_time()))
-            except psutil.Error:
-                pass
-    except psutil.Error:
-        pass
-    return found
-
-
 def _reap():
     """Collect adopted children that exited (a subreaper must, or they stay zombies)."""
     while True:
@@ -114,22 +98,22 @@ def guard(parent: int, temp_dir: str, log_path: str, argv: list[str], poll_s: fl
     _become_subreaper()
     with open(log_path, "ab") as log:
         head = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
-    root = psutil.Process(head.pid)
-    noted = {}
-    me = psutil.Process()
+    me, noted = psutil.Process(), {}
+
+    def note():  # everything below this guard: the head's tree and orphans re-parented here (a subreaper)
+        noted.update(_descendants(me))
+        noted.pop(me.pid, None)
+
     while not stop["asked"] and os.getppid() == parent and head.poll() is None:
-        noted.update(_descendants(root))
-        noted.update({p.pid: c for p, c in _adopted(me)})
+        note()
         _reap()
         time.sleep(poll_s)
-    noted.update(_descendants(root))
+    note()
     ended_by_itself = head.poll() is not None
     # everything at once (Ray's own orderly stop takes ~15 s on a head with a job; this head is
     # throwaway, its temp dir goes too): SIGTERM, then SIGKILL for what is left after the grace period
     for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, grace_s)):
-        noted.update(_descendants(root))       # what started since the last poll (a restarted worker)
-        noted.update(_descendants(psutil.Process()))  # orphans re-parented to this guard (a subreaper)
-        noted.pop(os.getpid(), None)
+        note()  # what started since the last poll (a restarted worker)
         for p in _alive(noted):
             try:
                 p.send_signal(sig)

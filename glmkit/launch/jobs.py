@@ -81,7 +81,7 @@ def builtin_entrypoint(fields: dict, rollout_actors: int = 1, gpus: bool = False
 
 def submit(client, entrypoint: str, run_name: str, env: dict | None = None, working_dir: str | None = None,
            submission_id: str | None = None) -> str:
-    """Submit `entrypoint` as a Ray job tagged with `run_name` (what `find_job` re-attaches by);
+    """Submit `entrypoint` as a Ray job tagged with `run_name` (what `find_run` re-attaches by);
     the runtime env is the framework's, NVLink multicast off."""
     renv = runtime_env(env)
     if working_dir:
@@ -130,14 +130,7 @@ def follow_launch(client, launcher_job: str, metrics_out: str | Path | None = No
                 return JobResult(launcher_job, "FAILED", rows, _last_lines(logs),
                                  why + (f": {info.message}" if info.message else ""))
         else:
-            status = _status(client, inner)
-            logs = client.get_job_logs(inner)
-            new, batch = tail.step(logs, status in TERMINAL)
-            if new and on_log is not None:
-                on_log(new)
-            rows += batch
-            store.add(batch)
-            _deliver(batch, on_row, on_rows)
+            status, logs = _poll(client, inner, tail, store, rows, on_log, on_row, on_rows)
             if status in TERMINAL:
                 info = client.get_job_info(inner)
                 return JobResult(inner, status, rows, _last_lines(logs), info.message or "", tail.done)
@@ -175,14 +168,6 @@ def find_run(client, run_name: str, finished: bool = False) -> str | None:
 
 def _value(status) -> str:
     return getattr(status, "value", str(status))
-
-
-def find_job(client, run_name: str, running_only: bool = True) -> str | None:
-    """The newest job tagged `run_name` (still running, unless running_only=False): re-attach target."""
-    jobs = [j for j in client.list_jobs() if (j.metadata or {}).get("glmkit_run") == run_name
-            and (not running_only or str(j.status) not in TERMINAL and getattr(j.status, "value", "") not in TERMINAL)]
-    jobs.sort(key=lambda j: j.start_time or 0)
-    return jobs[-1].submission_id if jobs else None
 
 
 def _status(client, job_id) -> str:
@@ -243,6 +228,20 @@ class _Store:
                 f.write("\n".join(texts) + "\n")
 
 
+def _poll(client, job_id: str, tail: _Tail, store: _Store, rows: list, on_log, on_row, on_rows) -> tuple[str, str]:
+    """One poll of a job: its status and log; the new text to `on_log`, its rows kept, stored and
+    delivered. -> (status, the whole log)."""
+    status = _status(client, job_id)
+    logs = client.get_job_logs(job_id)
+    new, batch = tail.step(logs, status in TERMINAL)
+    if new and on_log is not None:
+        on_log(new)
+    rows += batch
+    store.add(batch)
+    _deliver(batch, on_row, on_rows)
+    return status, logs
+
+
 def _deliver(rows, on_row, on_rows):
     if rows and on_rows is not None:
         on_rows(rows)
@@ -259,14 +258,7 @@ def follow(client, job_id: str, metrics_out: str | Path | None = None, on_row=No
     tail, store, rows = _Tail(), _Store(metrics_out), []
     start = time.monotonic()
     while True:
-        status = _status(client, job_id)
-        logs = client.get_job_logs(job_id)
-        new, batch = tail.step(logs, status in TERMINAL)
-        if new and on_log is not None:
-            on_log(new)
-        rows += batch
-        store.add(batch)
-        _deliver(batch, on_row, on_rows)
+        status, logs = _poll(client, job_id, tail, store, rows, on_log, on_row, on_rows)
         if status in TERMINAL:
             info = client.get_job_info(job_id)
             return JobResult(job_id, status, rows, _last_lines(logs), info.message or "", tail.done)

@@ -72,12 +72,12 @@ class Option:
         return [self.flag, str(value)]
 
 
-_BASE = (
-    Option("cuda_core_dump", "bool", False),
-    Option("num_nodes", "int", None),
-    Option("extra_env_vars", "str", "", help="added last to the training job's runtime env (JSON, or K=V K=V)"),
-    Option("output_dir", "str", "/root/shared_data", help="where CUDA core dumps go"),
-)
+def _base(num_nodes: int) -> tuple:
+    """The options every launcher's config inherits, in their order (each launcher its own node count)."""
+    return (Option("cuda_core_dump", "bool", False),
+            Option("num_nodes", "int", num_nodes),
+            Option("extra_env_vars", "str", "", help="added last to the training job's runtime env (JSON, or K=V K=V)"),
+            Option("output_dir", "str", "/root/shared_data", help="where CUDA core dumps go"))
 _PATHS = (
     Option("hf_checkpoint", "str", None, help="default <model-dir>/<model-name>"),
     Option("model_dir", "str", "/root/models"),
@@ -144,7 +144,7 @@ class Launcher:
 
 FULL_LAUNCHER = Launcher(
     "full", "scripts/run_glm5_3_flash.py", None,
-    _BASE[:1] + (Option("num_nodes", "int", 2),) + _BASE[2:] + (
+    _base(num_nodes=2) + (
         Option("cluster_backend", "choice", "ray", ("ray", "kubernetes")),
         Option("run_id", "str", None, help="default: a time stamp the launcher makes"),
         Option("namespace", "str", ""),
@@ -169,7 +169,7 @@ FULL_LAUNCHER = Launcher(
 
 LORA_LAUNCHER = Launcher(
     "lora", "scripts/run_glm5_3_flash_lora.py", "train",
-    _BASE[:1] + (Option("num_nodes", "int", 1),) + _BASE[2:] + (
+    _base(num_nodes=1) + (
         Option("run_id", "str", None, help="default: a time stamp the launcher makes"),
         Option("model_name", "choice", SLICE, (FULL, SLICE)),
         Option("task", "choice", "gsm8k", ("gsm8k", "dapo-math")),
