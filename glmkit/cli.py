@@ -253,7 +253,7 @@ def cmd_train(args) -> int:
           f"{last.get('rollout/raw_reward', float('nan')):.3f}; metrics: {cfg.metrics_out}")
     print(format_table(verdicts(history, cfg.model_name)))
     result = run_verdict(history, cfg.model_name)
-    print(f"run verdict: {result['verdict']}" + "".join(f"\n  - {r}" for r in result["reasons"]))
+    _print_verdict("run verdict", result)
     if stopped is not None:
         return 1
     return 1 if args.fail_unhealthy and result["verdict"] != "pass" else 0
@@ -360,8 +360,12 @@ def cmd_launch(args) -> int:
                            on_training_job=lambda j: print(f"training job {j} (the launcher's)"))
     print(result.summary())
     verdict = launch_verdict(result, launch)
-    print(f"verdict: {verdict['verdict']}" + "".join(f"\n  - {r}" for r in verdict["reasons"]))
+    _print_verdict("verdict", verdict)
     return 0 if verdict["verdict"] == "pass" else 1
+
+
+def _print_verdict(label: str, verdict: dict) -> None:
+    print(f"{label}: {verdict['verdict']}" + "".join(f"\n  - {r}" for r in verdict["reasons"]))
 
 
 def _following(cluster, job) -> str:
@@ -384,7 +388,7 @@ def _launch_attach(args) -> int:
         return 1
     print(result.summary())
     verdict = launch_verdict(result)
-    print(f"verdict: {verdict['verdict']}" + "".join(f"\n  - {r}" for r in verdict["reasons"]))
+    _print_verdict("verdict", verdict)
     return 0 if verdict["verdict"] == "pass" else 1
 
 
@@ -442,10 +446,10 @@ def _launch_builtin(args) -> int:
                                                    if "rollout/step" in r and "train/step" not in r])
     print(result.summary())
     verdict = launch_verdict(result)
-    print(f"verdict: {verdict['verdict']}" + "".join(f"\n  - {r}" for r in verdict["reasons"]))
+    _print_verdict("verdict", verdict)
     if result.ok:
         health = run_verdict(result.rows, model)
-        print(f"run verdict: {health['verdict']}" + "".join(f"\n  - {r}" for r in health["reasons"]))
+        _print_verdict("run verdict", health)
     return 0 if verdict["verdict"] == "pass" else 1
 
 

@@ -109,8 +109,8 @@ def run_miles(cluster: Cluster, plan, run_name: str, *, reattach: bool = True, m
     variables from this environment (LAUNCHER_ENV), the user's --extra-env-vars, MASTER_ADDR (else the
     Ray head's address, which the launcher hands on with no_proxy), PYTHONPATH of the checkout and `env`
     (Ray itself points the launcher's `ray job submit` at this cluster: it sets RAY_ADDRESS in a job's
-    driver); the training job gets, through
-    --extra-env-vars, the user's variables, NVLink multicast off and the marker glmkit finds it by."""
+    driver); the training job gets, through --extra-env-vars, the user's variables, NVLink multicast
+    off and the marker glmkit finds it by."""
     from glmkit.launch import commands
     from glmkit.launch.launcher import parse_extra_env_vars
 
@@ -154,7 +154,7 @@ def attach(cluster: Cluster, run_name: str, *, metrics_out=None, on_rows=None, o
     job = jobs.find_run(cluster.client, run_name, finished=True)
     if job is None:
         return None
-    if jobs.training_job(cluster.client, job) is not None or _is_launcher(cluster.client, job):
+    if _is_launcher(cluster.client, job):
         return jobs.follow_launch(cluster.client, job, metrics_out=metrics_out, on_rows=on_rows, on_log=on_log,
                                   poll=poll, timeout=timeout, on_training_job=on_training_job)
     return jobs.follow(cluster.client, job, metrics_out=metrics_out, on_rows=on_rows, on_log=on_log, poll=poll,
@@ -162,6 +162,7 @@ def attach(cluster: Cluster, run_name: str, *, metrics_out=None, on_rows=None, o
 
 
 def _is_launcher(client, job: str) -> bool:
+    """A job run_miles submitted runs the recipe's launcher (it always gets MILES_SCRIPT_EXTERNAL_RAY=1)."""
     env = (client.get_job_info(job).runtime_env or {}).get("env_vars") or {}
     return env.get("MILES_SCRIPT_EXTERNAL_RAY") == "1"
 
