@@ -315,6 +315,24 @@ def cmd_ckpt_info(args) -> int:
     return 0
 
 
+def cmd_ckpt_verify_conversion(args) -> int:
+    import json
+
+    from glmkit.checkpoint.conversion import verify_conversion
+    from glmkit.outputs import check_file_out
+    from glmkit.report import write_atomic
+
+    if args.json:
+        check_file_out(args.json, "--json")
+    if args.atol < 0:
+        raise ValueError(f"--atol: must be >= 0, got {args.atol}")
+    report = verify_conversion(args.hf, args.torch_dist, atol=args.atol)
+    print(report.text())
+    if args.json:
+        write_atomic(Path(args.json), json.dumps(report.to_json(), indent=2))
+    return 0 if report.passed else 1
+
+
 def _launcher_options(args) -> dict:
     """The launcher options given on the command line (field -> value), by the launcher's own names."""
     from glmkit.launch.launcher import ALL_FIELDS
@@ -652,6 +670,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = ckpt.add_parser("info", help="validate a checkpoint and summarise it")
     p.add_argument("path")
     p.set_defaults(func=cmd_ckpt_info)
+    p = ckpt.add_parser("verify-conversion", help="check a Megatron torch_dist checkpoint against the HF checkpoint "
+                                                  "it was converted from (the framework's glm5_next name map)",
+                        description="Exit 0: every tensor matches; 1: missing, extra, mis-shaped, differing or "
+                                    "narrowed tensors (each named, with a likely cause where one is recognised); "
+                                    "2: unreadable input.")
+    p.add_argument("--hf", required=True, help="the HF checkpoint folder (safetensors)")
+    p.add_argument("--torch-dist", required=True,
+                   help="the torch_dist save folder (with latest_checkpointed_iteration.txt) or an iteration folder")
+    p.add_argument("--json", help="write the result as JSON here")
+    p.add_argument("--atol", type=float, default=0.0,
+                   help="allowed |difference| after casting to the stored dtype (default 0: a conversion is a copy)")
+    p.set_defaults(func=cmd_ckpt_verify_conversion)
 
     p = sub.add_parser("launch", help="plan, preflight and run the recipe's launcher (miles) or glmkit's GRPO on Ray",
                        description="The recipe's launcher options are taken by their own names "

@@ -36,13 +36,31 @@ _ALLOWED = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch
             ("collections", "OrderedDict")}
 
 
+# Megatron's planner may leave its own objects in the index's planner data; they are read as inert
+# placeholders (glmkit's class, holding whatever arguments and state the pickle gives), never imported.
+_OPAQUE_MODULES = ("megatron.", "miles.", "miles_plugins.", "transformer_engine.")
+
+
+class _Opaque:
+    """A stand-in for a framework object in a checkpoint index: keeps its arguments, runs nothing."""
+
+    def __init__(self, *args, **kwargs):
+        self.args, self.kwargs = args, kwargs
+
+    def __setstate__(self, state):
+        self.state = state
+
+
 class _IndexUnpickler(pickle.Unpickler):
-    """DCP's `.metadata`, and nothing else: its dataclasses, torch.Size, dtypes, layouts."""
+    """DCP's `.metadata`, and nothing else: its dataclasses, torch.Size, dtypes, layouts (framework
+    objects become inert placeholders)."""
 
     def find_class(self, module, name):
         if module in _DCP_MODULES or (module, name) in _ALLOWED or \
                 (module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout))):
             return super().find_class(module, name)
+        if module.startswith(_OPAQUE_MODULES):
+            return type(name, (_Opaque,), {"__module__": f"glmkit.opaque.{module}"})
         raise pickle.UnpicklingError(f"{module}.{name} is not part of a torch.distributed.checkpoint index")
 
 
@@ -108,10 +126,22 @@ class TorchDistCheckpoint:
                 self.tensors[key] = DistTensor(key, tuple(meta.size), meta.properties.dtype)
             elif isinstance(meta, BytesStorageMetadata):
                 self.blobs.append(key)
+        storage = getattr(self.metadata, "storage_data", None) or {}
+        files = sorted({str(getattr(info, "relative_path", "")) for info in storage.values()} - {""})
+        root = self.path.resolve()
+        outside = [name for name in files if not (self.path / name).resolve().is_relative_to(root)]
+        if outside:
+            raise CheckpointError(f"{self.path}/.metadata: names data files outside the checkpoint folder "
+                                  f"({', '.join(outside[:3])}); refused")
+        absent = [name for name in files if not (self.path / name).is_file()]
+        if absent:
+            raise CheckpointError(f"{self.path}: {len(absent)} of the {len(files)} data files the index names are "
+                                  f"missing: {', '.join(absent[:5])}{', ...' if len(absent) > 5 else ''}")
 
     def get(self, key: str) -> torch.Tensor:
         """One tensor at its global shape (all its chunks, from whichever files hold them)."""
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
         if key not in self.tensors:
             raise KeyError(f"{key}: not a tensor of {self.path}")
@@ -122,10 +152,19 @@ class TorchDistCheckpoint:
             warnings.simplefilter("ignore")
             try:
                 dcp.load(target, storage_reader=reader, no_dist=True)
-            except Exception as err:  # a missing or truncated data file: name the key and the folder
-                raise CheckpointError(f"{self.path}: cannot read {key}: {type(err).__name__}: "
-                                      f"{str(err).splitlines()[0] if str(err) else ''}") from err
+            except (Exception, CheckpointException) as err:  # a missing or truncated data file: name key and folder
+                raise CheckpointError(f"{self.path}: cannot read {key}: {_first_cause(err)}") from err
         return target[key]
+
+
+def _first_cause(err: BaseException) -> str:
+    """The failure under DCP's wrapper (which reports a rank's traceback as text)."""
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict) and failures:
+        err = next(iter(failures.values()))
+        err = err[0] if isinstance(err, tuple) and err else err  # (exception, its stack summary)
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}" + (f": {text[0]}" if text else " (the data file is truncated or damaged)")
 
 
 def _SafeReader(path: Path, metadata):

@@ -1,0 +1,353 @@
+"""Was the HF -> Megatron conversion right? A torch_dist checkpoint checked against the HF checkpoint it
+came from, key by key through the framework's name map (`megatron_names`), one tensor at a time.
+
+A conversion is a copy plus a cast, so values must match exactly after the HF tensor is cast to the
+dtype the checkpoint stores (`atol` loosens that for checkpoints written through another cast path).
+Memory: the stored tensor being checked (at most the largest one, a layer's stacked experts) plus one
+HF tensor or one expert.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from glmkit.checkpoint.hf import Checkpoint, CheckpointError, open_checkpoint
+from glmkit.checkpoint.megatron_names import ALPHAS, CAT, COPY, PICK, STACK, Rule, megatron_rules
+from glmkit.checkpoint.names import LM_HEAD, TEXT_PREFIX
+from glmkit.checkpoint.torch_dist import TorchDistCheckpoint, save_torch_dist
+
+PADDED_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")  # the vocab may be padded
+MAX_LISTED = 50  # per category in the text summary (the JSON lists all)
+
+
+def _is_training_state(key: str) -> bool:
+    """Optimizer moments, RNG and Megatron's common state: not model weights (the framework's own readers
+    skip every key containing these)."""
+    return "optimizer" in key or "_state" in key
+
+
+def hf_shapes(ckpt: Checkpoint) -> dict[str, tuple[int, ...]]:
+    """The HF text tensors by the map's names (text prefix removed)."""
+    return {_short(name): ckpt.info(name).shape for name in ckpt.text_keys()}
+
+
+def _short(name: str) -> str:
+    return name if name == LM_HEAD else name.removeprefix(TEXT_PREFIX)
+
+
+def _full(name: str) -> str:
+    return name if name == LM_HEAD else TEXT_PREFIX + name
+
+
+class _HF:
+    """HF tensors by the map's names, read from the checkpoint one at a time."""
+
+    def __init__(self, ckpt: Checkpoint):
+        self.ckpt = ckpt
+
+    def __call__(self, name: str) -> torch.Tensor:
+        return self.ckpt.get(_full(name))
+
+
+def expert_tensor(rule: Rule, e: int, read) -> torch.Tensor:
+    """Expert `e` of a STACK rule: its HF tensors concatenated on dim 0."""
+    return torch.cat([read(n) for n in rule.expert_names(e)], dim=0)
+
+
+def megatron_tensor(rule: Rule, read) -> torch.Tensor:
+    """The tensor a correct conversion stores under `rule.key`."""
+    if rule.join == COPY:
+        return read(rule.hf[0])
+    if rule.join == PICK:
+        return read(rule.hf[0]).reshape(-1)[rule.index:rule.index + 1].clone()
+    if rule.join == CAT:
+        return torch.cat([read(n) for n in rule.hf], dim=0)
+    return torch.stack([expert_tensor(rule, e, read) for e in range(rule.experts)])
+
+
+def megatron_state(hf, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    """Every tensor of the torch_dist checkpoint the framework's conversion writes from `hf` (a path or an
+    open Checkpoint), in `dtype` except the ones it keeps in fp32. Whole model in memory: for tests and
+    small models (the real conversion is the framework's `convert_hf_to_torch_dist.py`)."""
+    ckpt = hf if isinstance(hf, Checkpoint) else open_checkpoint(hf)
+    rules = megatron_rules(ckpt.config, hf_shapes(ckpt))
+    read = _HF(ckpt)
+    return {key: megatron_tensor(rule, read).to(torch.float32 if rule.keeps_fp32 else dtype)
+            for key, rule in rules.items()}
+
+
+def framework_blobs(keys) -> dict[str, bytes]:
+    """The non-tensor entries a Megatron save puts beside the weights (Transformer Engine `_extra_state`
+    of each linear and norm, the RNG state, the common state), as opaque bytes: what a reader must skip."""
+    blobs = {"rng_state/shard_0.0_1.1": b"\x80\x04rng", "common_state/shard_0_1": b"\x80\x04common"}
+    for key in keys:
+        if key.endswith(".weight") and ("linear" in key or "norm" in key or "proj" in key):
+            blobs[key.rsplit(".", 1)[0] + "._extra_state/shard_0_1"] = b""
+    return blobs
+
+
+def write_torch_dist(hf, out, dtype: torch.dtype = torch.bfloat16, iteration: int | None = None) -> Path:
+    """Convert `hf` the framework's way and save it as a torch_dist checkpoint (release/ or iter_N/)."""
+    state = megatron_state(hf, dtype)
+    return save_torch_dist(state, out, blobs=framework_blobs(state), iteration=iteration)
+
+
+# --- the check -------------------------------------------------------------------------------------------
+
+@dataclass
+class ConversionReport:
+    hf: str
+    torch_dist: str
+    checked: int = 0
+    matched: int = 0
+    missing: list = field(default_factory=list)      # {"key", "hf"}
+    extra: list = field(default_factory=list)        # {"key", "shape"}
+    misshaped: list = field(default_factory=list)    # {"key", "hf", "shape", "expected", "cause"}
+    differing: list = field(default_factory=list)    # {"key", "hf", "max_abs_diff", "differing", "numel", "cause"}
+    narrowed: list = field(default_factory=list)     # {"key", "dtype"}: a tensor the framework keeps in fp32
+    padded: list = field(default_factory=list)       # {"key", "rows", "expected_rows"}: vocab padding (fine)
+    skipped: dict = field(default_factory=dict)      # non-tensor entries and training state, by kind
+
+    @property
+    def passed(self) -> bool:
+        return not (self.missing or self.extra or self.misshaped or self.differing or self.narrowed)
+
+    @property
+    def verdict(self) -> str:
+        return "pass" if self.passed else "fail"
+
+    def to_json(self) -> dict:
+        return {"verdict": self.verdict, "hf": self.hf, "torch_dist": self.torch_dist, "checked": self.checked,
+                "matched": self.matched, "missing": self.missing, "extra": self.extra, "misshaped": self.misshaped,
+                "differing": self.differing, "narrowed": self.narrowed, "padded": self.padded,
+                "skipped": self.skipped}
+
+    def text(self) -> str:
+        lines = [f"conversion check: {self.torch_dist}\n  against {self.hf}",
+                 f"  {self.checked} tensors checked, {self.matched} match; "
+                 f"{len(self.missing)} missing, {len(self.extra)} extra, {len(self.misshaped)} mis-shaped, "
+                 f"{len(self.differing)} differing, {len(self.narrowed)} narrowed from fp32"]
+        if self.skipped:
+            lines.append("  not weights, skipped: " + ", ".join(f"{n} {kind}" for kind, n in self.skipped.items()))
+        for row in self.padded:
+            lines.append(f"  note: {row['key']} has {row['rows']} rows for a {row['expected_rows']}-token vocab "
+                         f"(padding; the first {row['expected_rows']} rows were compared)")
+        sections = [("missing", self.missing, lambda r: f"{r['key']}  (from {', '.join(r['hf'][:2])}"
+                                                          f"{', ...' if len(r['hf']) > 2 else ''})"),
+                    ("extra", self.extra, lambda r: f"{r['key']} {list(r['shape'])}"),
+                    ("mis-shaped", self.misshaped, lambda r: f"{r['key']} {list(r['shape'])}, expected "
+                                                             f"{list(r['expected'])}" + _cause(r)),
+                    ("differing", self.differing, lambda r: f"{r['key']}: {r['differing']} of {r['numel']} "
+                                                            f"elements, max |diff| {r['max_abs_diff']:.3g}" + _cause(r)),
+                    ("narrowed", self.narrowed, lambda r: f"{r['key']} stored as {r['dtype']}; the framework "
+                                                          f"keeps it in float32")]
+        for title, rows, show in sections:
+            if rows:
+                lines.append(f"  {title}:")
+                lines += [f"    {show(r)}" for r in rows[:MAX_LISTED]]
+                if len(rows) > MAX_LISTED:
+                    lines.append(f"    ... {len(rows) - MAX_LISTED} more (see --json)")
+        lines.append(f"verdict: {self.verdict}")
+        return "\n".join(lines)
+
+
+def _cause(row: dict) -> str:
+    return f": likely {row['cause']}" if row.get("cause") else ""
+
+
+def _equal(a: torch.Tensor, b: torch.Tensor, atol: float) -> bool:
+    if a.shape != b.shape:
+        return False
+    if atol == 0:
+        return torch.equal(a, b)
+    return bool((a.float() - b.float()).abs().max() <= atol) if a.numel() else True
+
+
+def _difference(actual: torch.Tensor, expected: torch.Tensor, atol: float) -> tuple[float, int]:
+    """Largest |difference| and the number of elements differing by more than atol."""
+    diff = (actual.float() - expected.float()).abs()
+    return (float(diff.max()) if diff.numel() else 0.0), int((diff > atol).sum())
+
+
+def _fingerprint(t: torch.Tensor) -> str:
+    return hashlib.blake2b(t.contiguous().view(torch.uint8).numpy().tobytes(), digest_size=16).hexdigest()
+
+
+def _part_sizes(rule: Rule, read_shape) -> list[int]:
+    names = rule.expert_names(0) if rule.join == STACK else rule.hf
+    return [read_shape(n)[0] for n in names]
+
+
+_PART_NAMES = {2: ("gate", "up"), 3: ("q", "k", "v")}
+
+
+def _swapped_parts(actual: torch.Tensor, expected: torch.Tensor, sizes: list[int], atol: float) -> str | None:
+    """The parts of a concatenation stored in another order (gate/up halves, q/k/v convs)."""
+    if len(sizes) < 2 or sum(sizes) != expected.shape[0]:
+        return None
+    parts = list(torch.split(expected, sizes, dim=0))
+    names = _PART_NAMES.get(len(sizes), tuple(str(k) for k in range(len(sizes))))
+    for order in itertools.permutations(range(len(sizes))):
+        if list(order) == list(range(len(sizes))):
+            continue
+        candidate = torch.cat([parts[k] for k in order], dim=0)
+        if _equal(actual, candidate, atol):
+            if len(sizes) == 2:
+                return f"{names[0]}/{names[1]} halves swapped"
+            return "parts in the order " + ", ".join(names[k] for k in order) + " (expected " + ", ".join(names) + ")"
+    return None
+
+
+def _diagnose(actual: torch.Tensor, expected: torch.Tensor, sizes: list[int], atol: float) -> str | None:
+    """A likely cause for a differing tensor, when it is one of the usual conversion slips."""
+    if not actual.any() and expected.any():
+        return "all zeros (never written?)"
+    cause = _swapped_parts(actual, expected, sizes, atol)
+    if cause:
+        return cause
+    if expected.dim() >= 1 and expected.shape[0] % 2 == 0 and expected.shape[0] >= 2 and len(sizes) < 2:
+        half = expected.shape[0] // 2
+        if _equal(actual, torch.cat([expected[half:], expected[:half]]), atol):
+            return "halves swapped on dim 0"
+    if expected.dim() == 2 and expected.shape[0] == expected.shape[1] and _equal(actual, expected.T.contiguous(), atol):
+        return "transposed"
+    a, e = actual.double().flatten(), expected.double().flatten()
+    denom = float(e @ e)
+    if denom > 0 and e.numel() >= 4:  # a scale fitted to one or two numbers says nothing
+        scale = float(a @ e) / denom
+        eps = torch.finfo(actual.dtype).eps if actual.is_floating_point() else 0.0
+        if abs(scale - 1) > 4 * eps and scale != 0:
+            err = (a - scale * e).abs()
+            if bool((err <= 2 * eps * (scale * e).abs() + atol + 1e-30).all()):
+                return f"scaled by {scale:.6g}"
+    return None
+
+
+class _Check:
+    def __init__(self, report: ConversionReport, read, read_shape, atol: float):
+        self.report, self.read, self.read_shape, self.atol = report, read, read_shape, atol
+
+    def differs(self, rule: Rule, actual: torch.Tensor, expected: torch.Tensor, cause: str | None) -> None:
+        max_abs, count = _difference(actual, expected, self.atol)
+        self._record(rule, max_abs, count, actual.numel(), cause)
+
+    def _record(self, rule: Rule, max_abs: float, count: int, numel: int, cause: str | None) -> dict:
+        row = {"key": rule.key, "hf": list(rule.hf[:4]) + (["..."] if len(rule.hf) > 4 else []),
+               "max_abs_diff": max_abs, "differing": count, "numel": numel, "cause": cause}
+        self.report.differing.append(row)
+        return row
+
+    def plain(self, rule: Rule, actual: torch.Tensor) -> bool:
+        expected = megatron_tensor(rule, self.read).to(actual.dtype)
+        if rule.key in PADDED_KEYS and actual.shape[0] > expected.shape[0]:
+            actual = actual[:expected.shape[0]]
+        if _equal(actual, expected, self.atol):
+            return True
+        if rule.join == PICK:
+            cause = self._other_element(rule, actual)
+        else:
+            cause = _diagnose(actual, expected, _part_sizes(rule, self.read_shape) if rule.join == CAT else [], self.atol)
+        self.differs(rule, actual, expected, cause)
+        return False
+
+    def _other_element(self, rule: Rule, actual: torch.Tensor) -> str | None:
+        whole = self.read(rule.hf[0]).reshape(-1).to(actual.dtype)
+        for k in range(whole.numel()):
+            if k != rule.index and _equal(actual, whole[k:k + 1], self.atol):
+                return f"holds {rule.hf[0]}[{k}] ({ALPHAS[k] if k < len(ALPHAS) else k}'s value)"
+        return None
+
+    def stacked(self, rule: Rule, actual: torch.Tensor) -> bool:
+        """Expert by expert; an expert found elsewhere in the stack is named as a permutation."""
+        sizes = _part_sizes(rule, self.read_shape)
+        wrong, causes, prints, max_abs, count = [], {}, {}, 0.0, 0
+        for e in range(rule.experts):
+            expected = expert_tensor(rule, e, self.read).to(actual.dtype)
+            prints[_fingerprint(expected)] = e
+            if not _equal(actual[e], expected, self.atol):
+                wrong.append(e)
+                causes[e] = _diagnose(actual[e], expected, sizes, self.atol)
+                worst, n = _difference(actual[e], expected, self.atol)
+                max_abs, count = max(max_abs, worst), count + n
+        if not wrong:
+            return True
+        moved = {e: prints.get(_fingerprint(actual[e].contiguous())) for e in wrong}
+        moved = {e: src for e, src in moved.items() if src is not None and src != e}
+        if moved:
+            shown = ", ".join(f"expert {e} holds expert {src}'s" for e, src in list(moved.items())[:4])
+            cause = f"experts permuted ({len(moved)} experts hold another's weights: {shown})"
+        else:
+            kinds = sorted({c for c in causes.values() if c})
+            cause = (f"{kinds[0]} in experts {_ranges(wrong)}" if len(kinds) == 1 and all(causes.values())
+                     else (f"experts {_ranges(wrong)} differ" + (f" ({'; '.join(kinds)})" if kinds else "")))
+        self._record(rule, max_abs, count, actual.numel(), cause)["experts"] = wrong
+        return False
+
+
+def _ranges(values: list[int]) -> str:
+    out, start = [], None
+    for k, v in enumerate(values):
+        if start is None:
+            start = v
+        if k + 1 == len(values) or values[k + 1] != v + 1:
+            out.append(str(start) if start == v else f"{start}-{v}")
+            start = None
+    return ",".join(out)
+
+
+def verify_conversion(hf, torch_dist, atol: float = 0.0, progress: bool = True) -> ConversionReport:
+    """Check the torch_dist checkpoint at `torch_dist` against the HF checkpoint at `hf`."""
+    ckpt = hf if isinstance(hf, Checkpoint) else open_checkpoint(hf)
+    dist = TorchDistCheckpoint(torch_dist)
+    shapes = hf_shapes(ckpt)
+    try:
+        rules = megatron_rules(ckpt.config, shapes)
+    except ValueError as err:
+        raise CheckpointError(f"{ckpt.path}: {err}") from err
+    report = ConversionReport(hf=str(ckpt.path), torch_dist=str(dist.path))
+    state = [k for k in dist.tensors if _is_training_state(k)]
+    report.skipped = {kind: n for kind, n in (("non-tensor entries", len(dist.blobs)),
+                                              ("optimizer / training-state tensors", len(state))) if n}
+    report.extra = [{"key": k, "shape": list(dist.tensors[k].shape)} for k in dist.tensors
+                    if k not in rules and not _is_training_state(k)]
+    check = _Check(report, _HF(ckpt), lambda name: shapes[name], atol)
+    for key, rule in tqdm(rules.items(), desc="verify-conversion", unit="tensor", disable=not progress):
+        if key not in dist.tensors:
+            report.missing.append({"key": key, "hf": list(rule.hf)})
+            continue
+        report.checked += 1
+        stored = dist.tensors[key]
+        expected_shape = rule.shape(shapes)
+        if rule.keeps_fp32 and stored.dtype != torch.float32:
+            report.narrowed.append({"key": key, "dtype": str(stored.dtype).replace("torch.", "")})
+        if stored.shape != expected_shape:
+            if key in PADDED_KEYS and stored.shape[1:] == expected_shape[1:] and stored.shape[0] > expected_shape[0]:
+                report.padded.append({"key": key, "rows": stored.shape[0], "expected_rows": expected_shape[0]})
+            else:
+                report.misshaped.append({"key": key, "hf": list(rule.hf[:4]), "shape": list(stored.shape),
+                                         "expected": list(expected_shape),
+                                         "cause": _shape_cause(rule, dist, stored.shape, expected_shape, check)})
+                continue
+        actual = dist.get(key)
+        good = check.stacked(rule, actual) if rule.join == STACK else check.plain(rule, actual)
+        report.matched += int(good)
+        del actual
+    return report
+
+
+def _shape_cause(rule: Rule, dist: TorchDistCheckpoint, shape: tuple, expected_shape: tuple, check: _Check) -> str | None:
+    """Transposed (stored as [cols, rows]), or the experts' stack laid out on another dim."""
+    if len(shape) == 2 and tuple(reversed(shape)) == tuple(expected_shape) and rule.join != STACK:
+        actual = dist.get(rule.key)
+        expected = megatron_tensor(rule, check.read).to(actual.dtype)
+        return "transposed" if _equal(actual.T, expected, check.atol) else "transposed shape (values differ too)"
+    if rule.join == STACK and len(shape) == 3 and shape[0] == expected_shape[0] and \
+            tuple(shape[1:]) == tuple(reversed(expected_shape[1:])):
+        return "each expert transposed"
+    return None
