@@ -333,6 +333,22 @@ def cmd_ckpt_verify_conversion(args) -> int:
     return 0 if report.passed else 1
 
 
+def cmd_ckpt_verify_engine(args) -> int:
+    import json
+
+    from glmkit.outputs import check_file_out
+    from glmkit.report import write_atomic
+    from glmkit.serve.weights import verify_engine
+
+    if args.json:
+        check_file_out(args.json, "--json")
+    report = verify_engine(args.hf, args.url, sample=args.sample, rows=args.rows, seed=args.seed)
+    print(report.text())
+    if args.json:
+        write_atomic(Path(args.json), json.dumps(report.to_json(), indent=2))
+    return 0 if report.passed else 1
+
+
 def _launcher_options(args) -> dict:
     """The launcher options given on the command line (field -> value), by the launcher's own names."""
     from glmkit.launch.launcher import ALL_FIELDS
@@ -682,6 +698,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--atol", type=float, default=0.0,
                    help="allowed |difference| after casting to the stored dtype (default 0: a conversion is a copy)")
     p.set_defaults(func=cmd_ckpt_verify_conversion)
+    p = ckpt.add_parser("verify-engine", help="ask a running SGLang-protocol server for tensors by name "
+                                              "(/get_weights_by_name) and compare them with a checkpoint",
+                        description="Exit 0: every tensor asked for matches (exactly, or rounded to the engine's "
+                                    "bfloat16 / float16); 1: some differ, are mis-shaped or were not answered; "
+                                    "2: bad input, or an engine that is unreachable or answers for none.")
+    p.add_argument("--hf", required=True, help="the HF checkpoint folder the engine should hold")
+    p.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:30000")
+    p.add_argument("--sample", type=_non_negative, default=64,
+                   help="how many tensors to compare (embedding, final norm and head always among them); 0: all")
+    p.add_argument("--rows", type=_positive, default=100, help="leading rows of each tensor (SGLang's truncate_size)")
+    p.add_argument("--seed", type=int, default=0, help="which tensors --sample draws")
+    p.add_argument("--json", help="write the result as JSON here")
+    p.set_defaults(func=cmd_ckpt_verify_engine)
 
     p = sub.add_parser("launch", help="plan, preflight and run the recipe's launcher (miles) or glmkit's GRPO on Ray",
                        description="The recipe's launcher options are taken by their own names "

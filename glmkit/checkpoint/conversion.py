@@ -169,7 +169,7 @@ def _equal(a: torch.Tensor, b: torch.Tensor, atol: float) -> bool:
     return bool((a.float() - b.float()).abs().max() <= atol) if a.numel() else True
 
 
-def _difference(actual: torch.Tensor, expected: torch.Tensor, atol: float) -> tuple[float, int]:
+def difference(actual: torch.Tensor, expected: torch.Tensor, atol: float) -> tuple[float, int]:
     """Largest |difference| and the number of elements differing by more than atol."""
     diff = (actual.float() - expected.float()).abs()
     return (float(diff.max()) if diff.numel() else 0.0), int((diff > atol).sum())
@@ -204,7 +204,7 @@ def _swapped_parts(actual: torch.Tensor, expected: torch.Tensor, sizes: list[int
     return None
 
 
-def _diagnose(actual: torch.Tensor, expected: torch.Tensor, sizes: list[int], atol: float) -> str | None:
+def likely_cause(actual: torch.Tensor, expected: torch.Tensor, sizes: list[int], atol: float) -> str | None:
     """A likely cause for a differing tensor, when it is one of the usual conversion slips."""
     if not actual.any() and expected.any():
         return "all zeros (never written?)"
@@ -234,7 +234,7 @@ class _Check:
         self.report, self.read, self.read_shape, self.atol = report, read, read_shape, atol
 
     def differs(self, rule: Rule, actual: torch.Tensor, expected: torch.Tensor, cause: str | None) -> None:
-        max_abs, count = _difference(actual, expected, self.atol)
+        max_abs, count = difference(actual, expected, self.atol)
         self._record(rule, max_abs, count, actual.numel(), cause)
 
     def _record(self, rule: Rule, max_abs: float, count: int, numel: int, cause: str | None) -> dict:
@@ -252,7 +252,7 @@ class _Check:
         if rule.join == PICK:
             cause = self._other_element(rule, actual)
         else:
-            cause = _diagnose(actual, expected, _part_sizes(rule, self.read_shape) if rule.join == CAT else [], self.atol)
+            cause = likely_cause(actual, expected, _part_sizes(rule, self.read_shape) if rule.join == CAT else [], self.atol)
         self.differs(rule, actual, expected, cause)
         return False
 
@@ -272,8 +272,8 @@ class _Check:
             prints[_fingerprint(expected)] = e
             if not _equal(actual[e], expected, self.atol):
                 wrong.append(e)
-                causes[e] = _diagnose(actual[e], expected, sizes, self.atol)
-                worst, n = _difference(actual[e], expected, self.atol)
+                causes[e] = likely_cause(actual[e], expected, sizes, self.atol)
+                worst, n = difference(actual[e], expected, self.atol)
                 max_abs, count = max(max_abs, worst), count + n
         if not wrong:
             return True

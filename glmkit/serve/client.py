@@ -83,6 +83,10 @@ class SGLangClient:
     def abort(self, rid: str | None = None, abort_all: bool = False) -> dict:
         return self._call("POST", "/abort_request", {"rid": rid, "abort_all": abort_all})
 
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+        """SGLang's `/get_weights_by_name`: the tensor's first `truncate_size` rows as float32 nested lists."""
+        return self._call("POST", "/get_weights_by_name", {"name": name, "truncate_size": truncate_size})
+
     def update_weights_from_tensor(self, tensors: dict, weight_version: str | None = None) -> dict:
         """Send named tensors (CPU copies, safetensors-encoded) in one request."""
         from safetensors.torch import save

@@ -75,6 +75,13 @@ class GenerateRequest(BaseModel):
         return [value] * n
 
 
+class GetWeightsByName(BaseModel):
+    """SGLang's `/get_weights_by_name` request: a tensor name and how many leading rows to return."""
+
+    name: str = Field(min_length=1, max_length=512)
+    truncate_size: int = Field(100, ge=1)
+
+
 class UpdateFromDisk(BaseModel):
     model_config = ConfigDict(extra="forbid")
 

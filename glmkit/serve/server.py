@@ -27,6 +27,7 @@ from glmkit.serve.protocol import GenerateRequest
 
 DEFAULT_MAX_BATCH = 64
 DEFAULT_MAX_CONTEXT = 65536  # prompt + new tokens of one request: bounds what one request can allocate
+MAX_WEIGHT_ELEMENTS = 1 << 24  # /get_weights_by_name: one answer's floats (about 200 MB of JSON)
 
 
 def input_logprobs(logits: torch.Tensor, prompts, temperature: float) -> list[list]:
@@ -232,6 +233,23 @@ class EngineService:
         self.updates += 1
         self.weight_version = version if version is not None else str(self.updates)
         return f"updated {len(tensors)} tensor(s); weight_version {self.weight_version}"
+
+    def weights_by_name(self, name: str, truncate_size: int) -> list:
+        """SGLang's answer layout: the tensor as float32 nested lists, cut to its first `truncate_size`
+        entries along dim 0. Names: the checkpoint's (`model.language_model.layers.N...`), SGLang's
+        (`model.layers.N...`) or the model's own; routed experts by their per-expert checkpoint names."""
+        from glmkit.checkpoint.names import LM_HEAD
+
+        state = {**self.model.state_dict(keep_vars=True), **dict(self.model.named_parameters())}
+        own = name if name == LM_HEAD else name.removeprefix("model.").removeprefix("language_model.")
+        if own not in state:
+            raise BadRequest(f"Get parameter by name failed: {name!r} is not a tensor of this model")
+        tensor = state[own].detach()
+        rows = tensor[:truncate_size] if tensor.dim() else tensor
+        if rows.numel() > MAX_WEIGHT_ELEMENTS:
+            raise BadRequest(f"Get parameter by name failed: {rows.numel()} elements asked for; at most "
+                             f"{MAX_WEIGHT_ELEMENTS} per request (lower truncate_size)")
+        return rows.float().cpu().tolist()
 
     def join_update_group(self, body) -> str:
         """Join the trainer's weights-update process group (the trainer is rank 0)."""
@@ -566,6 +584,11 @@ def build_app(service: EngineService, window_s: float = 0.005):
         tensors = service.tensors_from_blobs(body.serialized_named_tensors)
         message = await batcher.call(service.load_tensors, tensors, body.weight_version)
         return {"success": True, "message": message, "weight_version": service.weight_version}
+
+    @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
+    async def get_weights_by_name(body: protocol.GetWeightsByName):
+        # SGLang answers the bare nested list (no wrapper object); GET carries the same JSON body
+        return await batcher.call(service.weights_by_name, body.name, body.truncate_size)
 
     @app.post("/init_weights_update_group")
     async def init_update_group(body: protocol.InitWeightsUpdateGroup):

@@ -1,0 +1,149 @@
+"""glmkit ckpt verify-engine against a live `glmkit serve` (SGLang's /get_weights_by_name): a correct
+engine passes, a correct update passes against the new checkpoint, a broken update is found by name."""
+
+import sys
+
+sys.modules.setdefault("fla", None)
+
+import http.server
+import json
+import threading
+
+import pytest
+import requests
+import torch
+
+from glmkit.checkpoint import open_checkpoint, save_checkpoint
+from glmkit.cli import main
+from glmkit.serve.client import SGLangClient
+from glmkit.serve.weights import engine_name, sample_names, verify_engine
+from tests.test_serve import CKPT, Server
+
+EXPERT = "model.language_model.layers.3.mlp.experts.1.gate_proj.weight"
+HEAD = "lm_head.weight"
+
+
+@pytest.fixture(scope="module")
+def updates_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("updates")
+
+
+@pytest.fixture(scope="module")
+def server(updates_root):
+    s = Server("--allow-updates-from", str(updates_root))
+    yield s
+    s.kill()
+
+
+def test_the_endpoint_answers_in_sglang_layout(server):
+    """The bare nested list (no wrapper), the first truncate_size rows, float32 values; GET with a JSON
+    body as SGLang's route takes it; names in the checkpoint's, SGLang's or the model's own form."""
+    head = open_checkpoint(CKPT).get(HEAD)
+    answer = requests.post(server.url + "/get_weights_by_name", json={"name": HEAD, "truncate_size": 3}, timeout=30)
+    assert answer.status_code == 200 and isinstance(answer.json(), list)
+    assert torch.equal(torch.tensor(answer.json()), head[:3].float())
+    default = requests.get(server.url + "/get_weights_by_name", json={"name": "model.norm.weight"}, timeout=30).json()
+    assert torch.equal(torch.tensor(default), open_checkpoint(CKPT).get("model.language_model.norm.weight"))
+    for name in (EXPERT, engine_name(EXPERT), EXPERT.removeprefix("model.language_model.")):
+        got = SGLangClient(server.url).get_weights_by_name(name, truncate_size=100)
+        assert torch.equal(torch.tensor(got), open_checkpoint(CKPT).get(EXPERT)), name
+    missing = requests.post(server.url + "/get_weights_by_name", json={"name": "model.layers.99.nothing"}, timeout=30)
+    assert missing.status_code == 400 and "Get parameter by name failed" in missing.json()["error"]["message"]
+    bad = requests.post(server.url + "/get_weights_by_name", json={"name": HEAD, "truncate_size": 0}, timeout=30)
+    assert bad.status_code == 400
+
+
+def test_sampling_keeps_the_ends_and_is_seeded():
+    names = open_checkpoint(CKPT).text_keys()
+    picked = sample_names(names, 10, seed=1)
+    assert len(picked) == 10 and HEAD in picked and "model.language_model.embed_tokens.weight" in picked
+    assert picked == sample_names(names, 10, seed=1) != sample_names(names, 10, seed=2)
+    assert sample_names(names, 0, seed=1) == names
+
+
+def test_a_correct_engine_passes_for_every_tensor(server):
+    report = verify_engine(CKPT, server.url, sample=0, progress=False)
+    assert report.passed, report.text()
+    assert report.sampled == len(open_checkpoint(CKPT).text_keys()) == len(report.matched)
+    assert {row["as"] for row in report.matched} == {"float32"}
+
+
+def test_a_correct_update_passes_against_the_new_checkpoint(server, updates_root, tmp_path, capsys):
+    """The engine updated from disk to a checkpoint whose every tensor moved: the new one passes, the old
+    one fails on every tensor that changed."""
+    old = open_checkpoint(CKPT)
+    new_tensors = {name: old.get(name) * 1.25 + 0.01 for name in old.text_keys()}
+    new = save_checkpoint(updates_root / "step-1", old.config, new_tensors.items())
+    assert SGLangClient(server.url).update_weights_from_disk(new, weight_version="1")["success"]
+    assert main(["ckpt", "verify-engine", "--hf", str(new), "--url", server.url, "--sample", "0"]) == 0
+    assert capsys.readouterr().out.rstrip().endswith("verdict: pass")
+    stale = verify_engine(CKPT, server.url, sample=0, progress=False)
+    assert len(stale.differing) == len(old.text_keys()) and not stale.matched
+    # back to the original for the next test
+    assert SGLangClient(server.url).update_weights_from_disk(
+        save_checkpoint(updates_root / "step-2", old.config, ((n, old.get(n)) for n in old.text_keys())))["success"]
+
+
+def test_a_broken_update_is_found_by_tensor_name(server, tmp_path, capsys):
+    ckpt = open_checkpoint(CKPT)
+    head = ckpt.get(HEAD)
+    broken = {EXPERT.removeprefix("model.language_model."): ckpt.get(EXPERT) * 2,
+              HEAD: torch.cat([head[1:], head[:1]])}  # rows shifted by one: a misaligned copy
+    SGLangClient(server.url).update_weights_from_tensor(broken, weight_version="broken")
+    out = tmp_path / "engine.json"
+    assert main(["ckpt", "verify-engine", "--hf", str(CKPT), "--url", server.url, "--sample", "0",
+                 "--json", str(out)]) == 1
+    text = capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert data["verdict"] == "fail" and sorted(r["name"] for r in data["differing"]) == [HEAD, EXPERT]
+    by_name = {r["name"]: r for r in data["differing"]}
+    assert by_name[EXPERT]["cause"] == "scaled by 2" and by_name[EXPERT]["differing"] == by_name[EXPERT]["numel"]
+    assert f"differing: {EXPERT}" in text and len(data["matched"]) == len(ckpt.text_keys()) - 2
+    # a 5-tensor sample still finds the head: the embedding, final norm and head are always sampled
+    few = verify_engine(CKPT, server.url, sample=5, seed=0, progress=False)
+    assert few.sampled == 5 and HEAD in [r["name"] for r in few.differing]
+    SGLangClient(server.url).update_weights_from_tensor({name: ckpt.get(EXPERT if name != HEAD else HEAD)
+                                                        for name in broken})
+
+
+def test_an_engine_in_bfloat16_matches_as_bfloat16():
+    server = Server("--dtype", "bfloat16")
+    try:
+        report = verify_engine(CKPT, server.url, sample=0, progress=False)
+    finally:
+        server.kill()
+    assert report.passed, report.text()
+    kinds = {row["as"] for row in report.matched}
+    assert "bfloat16" in kinds and kinds <= {"float32", "bfloat16"}
+
+
+class _NoWeightsHandler(http.server.BaseHTTPRequestHandler):
+    """An SGLang server whose model class has no get_weights_by_name: 400 as SGLang answers it."""
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        body = json.dumps({"error": {"message": "Get parameter by name failed"}}).encode()
+        self.send_response(400)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_an_engine_that_answers_for_nothing_or_is_gone_is_exit_2(capsys):
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _NoWeightsHandler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    try:
+        assert main(["ckpt", "verify-engine", "--hf", str(CKPT), "--url", url, "--sample", "3"]) == 2
+        assert "answered /get_weights_by_name for none of the 3" in capsys.readouterr().err
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    assert main(["ckpt", "verify-engine", "--hf", str(CKPT), "--url", url, "--sample", "3"]) == 2
+    assert "connection failed" in capsys.readouterr().err
+    assert main(["ckpt", "verify-engine", "--hf", str(CKPT), "--url", "localhost:1"]) == 2
+    assert "must start with http://" in capsys.readouterr().err
