@@ -349,6 +349,27 @@ def cmd_ckpt_verify_engine(args) -> int:
     return 0 if report.passed else 1
 
 
+def cmd_rollout_data(args) -> int:
+    import json
+
+    from glmkit.checkpoint import open_checkpoint
+    from glmkit.outputs import check_file_out
+    from glmkit.parity.rollout_data import attribute, load_rollout_data, load_trainer_logprobs
+    from glmkit.report import write_atomic
+
+    if args.json:
+        check_file_out(args.json, "--json")
+    config = open_checkpoint(args.checkpoint).config  # a bad checkpoint is named before the data is read
+    data = load_rollout_data(args.path, vocab_size=config.vocab_size)
+    trainer = load_trainer_logprobs(args.train_data) if args.train_data else None
+    result = attribute(data, args.checkpoint, device=args.device, dtype=_dtype(args.dtype), backends=_backends(args),
+                       threshold=args.threshold, temperature=args.temperature, trainer_logprobs=trainer)
+    print(result.text())
+    if args.json:
+        write_atomic(Path(args.json), json.dumps(result.to_json(), indent=2))
+    return 0 if result.verdict == "pass" else 1
+
+
 def _launcher_options(args) -> dict:
     """The launcher options given on the command line (field -> value), by the launcher's own names."""
     from glmkit.launch.launcher import ALL_FIELDS
@@ -712,6 +733,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", help="write the result as JSON here")
     p.set_defaults(func=cmd_ckpt_verify_engine)
 
+    from glmkit.parity.rollout_data import DEFAULT_THRESHOLD
+
+    p = sub.add_parser("rollout-data", help="the framework's saved rollout data: which side (engine or trainer) "
+                                            "departs from the reference, per sample and token",
+                       description="Reads a --save-debug-rollout-data file (torch.load weights_only; files that need "
+                                   "pickle are refused), recomputes each sample's response log-probs through the "
+                                   "transformers reference and the trainer side (glmkit's train path, or the trainer's "
+                                   "own from --train-data). Exit 0: no sample departs; 1: one does; 2: bad input.")
+    p.add_argument("path", help="the rollout data file (.pt)")
+    p.add_argument("--checkpoint", required=True, help="the HF checkpoint the rollout ran (or its slice)")
+    p.add_argument("--train-data", help="the framework's --save-debug-train-data file of one rank: the trainer's "
+                                        "own log-probs replace glmkit's stand-in")
+    p.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD,
+                   help=f"a side departs when its mean |logp - reference| over a sample's response exceeds this "
+                        f"(default {DEFAULT_THRESHOLD})")
+    p.add_argument("--temperature", type=float, default=1.0, help="the run's --rollout-temperature")
+    p.add_argument("--json", help="write the result as JSON here")
+    p.add_argument("--device", default="cpu", choices=DEVICES)
+    p.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    _backend_arguments(p)
+    p.set_defaults(func=cmd_rollout_data)
+
     p = sub.add_parser("launch", help="plan, preflight and run the recipe's launcher (miles) or glmkit's GRPO on Ray",
                        description="The recipe's launcher options are taken by their own names "
                                    "(scripts/run_glm5_3_flash.py, with --lora scripts/run_glm5_3_flash_lora.py), "
@@ -789,7 +832,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _require_device(args) -> None:
     """--device cuda where this process runs the model (not launch: its --device is the cluster's)."""
     if getattr(args, "device", None) != "cuda" or args.func not in (cmd_check, cmd_parity, cmd_capture, cmd_train,
-                                                                     cmd_ckpt_synth, cmd_serve):
+                                                                     cmd_ckpt_synth, cmd_serve, cmd_rollout_data):
         return
     import torch
 

@@ -1,0 +1,339 @@
+"""Which side departs, engine or trainer? The framework's own rollout data (`--save-debug-rollout-data`)
+recomputed through the transformers reference and glmkit's train path, token by token.
+
+The file is what miles writes: `torch.save({"rollout_id", "metadata", "samples": [Sample.to_dict()]})`,
+each sample with `tokens` (prompt + response), `response_length`, `rollout_log_probs` (the engine's, one
+per response token), `loss_mask` (or None: every token), `status`, `index`, `group_index`, `reward`, ...
+and, with routing replay, numpy arrays. It is read with `torch.load(weights_only=True)` and numpy's
+array types allowed, nothing else: a file that needs pickle (custom classes in it) is refused by name.
+
+The trainer side is the trainer's own log-probs when given (the framework's `--save-debug-train-data`
+file of a rank, whose `rollout_data` holds `tokens` and `log_probs`; samples matched by their tokens),
+else glmkit's train path on the checkpoint as its stand-in. Numbers, as the framework computes
+`train/train_rollout_logprob_abs_diff`: per sample the masked mean over response tokens of |a - b|,
+then the mean over samples.
+"""
+
+from __future__ import annotations
+
+import math
+import pickle
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+DEFAULT_THRESHOLD = 0.02  # mean |logp - reference| per sample; the recipe's healthy abs diff is ~0.007
+WORST_TOKENS = 8
+PROFILE_BINS = 32
+SIDES = ("engine", "trainer")
+
+
+def _numpy_globals() -> list:
+    """numpy's array and scalar reconstruction, under the names numpy 2 and numpy 1 files use."""
+    import numpy as np
+
+    allowed = [np.ndarray, np.dtype]
+    reconstruct = getattr(np._core.multiarray, "_reconstruct", None) if hasattr(np, "_core") else None
+    scalar = getattr(np._core.multiarray, "scalar", None) if hasattr(np, "_core") else None
+    for fn, name in ((reconstruct, "_reconstruct"), (scalar, "scalar")):
+        if fn is not None:
+            allowed += [fn, (fn, f"numpy.core.multiarray.{name}"), (fn, f"numpy._core.multiarray.{name}")]
+    allowed += [getattr(np.dtypes, n) for n in dir(np.dtypes) if n.endswith("DType")]
+    return allowed
+
+
+def _load(path: Path, what: str):
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: not found")
+    if not path.is_file():
+        raise ValueError(f"{path}: not a file ({what} is one .pt file)")
+    try:
+        with torch.serialization.safe_globals(_numpy_globals()):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        found = re.search(r"GLOBAL ([\w.]+)|(REDUCE|BUILD|INST|OBJ)", str(err))
+        if not found:
+            raise ValueError(f"{path}: not a readable torch.save file (damaged or another format)") from None
+        raise ValueError(f"{path}: needs pickle to read ({found.group(1) or found.group(2)}); glmkit reads {what} with "
+                         f"torch.load(weights_only=True) only (tensors, numbers, strings, lists, dicts, numpy "
+                         f"arrays), never arbitrary classes") from None
+    except (RuntimeError, EOFError, OSError) as err:
+        raise ValueError(f"{path}: not a readable torch.save file ({type(err).__name__}: "
+                         f"{str(err).splitlines()[0][:200] if str(err) else 'truncated'})") from None
+
+
+def _int_list(value, where: str) -> list[int]:
+    if isinstance(value, torch.Tensor):
+        value = value.tolist()
+    elif hasattr(value, "tolist"):
+        value = value.tolist()
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise ValueError(f"{where}: expected a list of token ids")
+    return list(value)
+
+
+def _float_list(value, n: int, where: str) -> list[float]:
+    if isinstance(value, torch.Tensor) or hasattr(value, "tolist"):
+        value = value.tolist()
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, (int, float)) for v in value):
+        raise ValueError(f"{where}: expected a list of {n} numbers")
+    if len(value) != n:
+        raise ValueError(f"{where}: {len(value)} values for {n} response tokens")
+    return [float(v) for v in value]
+
+
+@dataclass
+class RolloutSample:
+    """One sample of the file, validated: tokens = prompt + response."""
+
+    position: int          # place in the file
+    index: object          # the sample's own `index` (None when absent)
+    group_index: object
+    status: str
+    reward: object
+    tokens: list
+    response_length: int
+    engine: list           # rollout_log_probs
+    mask: list             # loss_mask (1 = counted)
+
+    @property
+    def prompt_length(self) -> int:
+        return len(self.tokens) - self.response_length
+
+
+@dataclass
+class RolloutData:
+    path: str
+    rollout_id: object
+    metadata: dict
+    samples: list
+
+
+def load_rollout_data(path, vocab_size: int | None = None) -> RolloutData:
+    """The framework's debug rollout data, validated sample by sample (errors name the sample and key)."""
+    path = Path(path)
+    raw = _load(path, "rollout data")
+    if not isinstance(raw, dict) or not isinstance(raw.get("samples"), list):
+        raise ValueError(f"{path}: not the framework's rollout data: expected a dict with a 'samples' list "
+                         f"(--save-debug-rollout-data), got {type(raw).__name__}"
+                         + (f" with keys {sorted(map(str, raw))[:8]}" if isinstance(raw, dict) else ""))
+    samples = []
+    for k, s in enumerate(raw["samples"]):
+        where = f"{path}: samples[{k}]"
+        if not isinstance(s, dict):
+            raise ValueError(f"{where}: expected a dict (Sample.to_dict()), got {type(s).__name__}")
+        for key in ("tokens", "response_length", "rollout_log_probs"):
+            if s.get(key) is None:
+                raise ValueError(f"{where}: no {key!r} (the engine's log-probs are saved only when the rollout "
+                                 f"asked for them)" if key == "rollout_log_probs" else f"{where}: no {key!r}")
+        tokens = _int_list(s["tokens"], f"{where}.tokens")
+        length = s["response_length"]
+        if not isinstance(length, int) or not 0 < length < len(tokens):
+            raise ValueError(f"{where}.response_length: {length!r}; expected 1 to {len(tokens) - 1} "
+                             f"(the tokens hold prompt + response)")
+        if vocab_size is not None and any(not 0 <= t < vocab_size for t in tokens):
+            bad = next(t for t in tokens if not 0 <= t < vocab_size)
+            raise ValueError(f"{where}.tokens: token id {bad} is outside the checkpoint's vocabulary of {vocab_size}")
+        engine = _float_list(s["rollout_log_probs"], length, f"{where}.rollout_log_probs")
+        mask = [1] * length if s.get("loss_mask") is None else \
+            [int(bool(v)) for v in _float_list(s["loss_mask"], length, f"{where}.loss_mask")]
+        samples.append(RolloutSample(k, s.get("index"), s.get("group_index"), str(s.get("status", "")),
+                                     s.get("reward"), tokens, length, engine, mask))
+    if not samples:
+        raise ValueError(f"{path}: the file holds no samples")
+    return RolloutData(str(path), raw.get("rollout_id"), raw.get("metadata") or {}, samples)
+
+
+def load_trainer_logprobs(path) -> dict[tuple, list[float]]:
+    """The trainer's own log-probs from a `--save-debug-train-data` file (one rank): response tokens'
+    log-probs keyed by the sample's whole token sequence."""
+    path = Path(path)
+    raw = _load(path, "train data")
+    data = raw.get("rollout_data") if isinstance(raw, dict) else None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: not the framework's train data: expected a dict with 'rollout_data'")
+    if (raw.get("cp_size") or 1) > 1:
+        raise ValueError(f"{path}: written with context parallelism (cp_size {raw['cp_size']}): each rank holds a "
+                         f"slice of every sample; glmkit reads cp_size 1 train data only")
+    for key in ("tokens", "log_probs"):
+        if key not in data:
+            raise ValueError(f"{path}: rollout_data has no {key!r} (keys: {sorted(data)[:12]})")
+    out = {}
+    for k, (tokens, logp) in enumerate(zip(data["tokens"], data["log_probs"])):
+        tokens = tuple(_int_list(tokens, f"{path}: rollout_data.tokens[{k}]"))
+        values = logp.tolist() if hasattr(logp, "tolist") else list(logp)
+        out[tokens] = [float(v) for v in values]
+    return out
+
+
+# --- attribution -----------------------------------------------------------------------------------------
+
+def _masked_mean(a: torch.Tensor, b: torch.Tensor, mask: torch.Tensor) -> float:
+    diff = torch.nan_to_num((a - b).abs(), nan=0.0, posinf=0.0, neginf=0.0)  # as the framework's metric
+    return float((diff * mask).sum() / mask.sum().clamp(min=1))
+
+
+@dataclass
+class SampleAttribution:
+    sample: RolloutSample
+    reference: list
+    trainer: list
+    trainer_source: str
+    engine_vs_reference: float = 0.0
+    trainer_vs_reference: float = 0.0
+    engine_vs_trainer: float = 0.0
+    departs: str = "none"
+    worst_tokens: list = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        s = self.sample
+        return {"index": s.index if s.index is not None else s.position, "position_in_file": s.position,
+                "group_index": s.group_index, "status": s.status,
+                "reward": s.reward if isinstance(s.reward, (int, float)) else None,
+                "prompt_length": s.prompt_length, "response_length": s.response_length,
+                "masked_tokens": sum(s.mask), "engine_vs_reference": self.engine_vs_reference,
+                "trainer_vs_reference": self.trainer_vs_reference, "engine_vs_trainer": self.engine_vs_trainer,
+                "trainer_source": self.trainer_source, "departs": self.departs, "worst_tokens": self.worst_tokens}
+
+
+@dataclass
+class RolloutAttribution:
+    path: str
+    checkpoint: str
+    rollout_id: object
+    threshold: float
+    trainer_source: str
+    samples: list
+    logprob_abs_diff: float
+    position_profile: dict
+
+    @property
+    def departing(self) -> list:
+        return [a for a in self.samples if a.departs != "none"]
+
+    @property
+    def verdict(self) -> str:
+        return "fail" if self.departing else "pass"
+
+    def sides(self) -> dict:
+        """How many samples depart on each side."""
+        out = {"engine": 0, "trainer": 0, "both": 0, "none": 0}
+        for a in self.samples:
+            out[a.departs] += 1
+        return out
+
+    def to_json(self) -> dict:
+        return {"verdict": self.verdict, "rollout_data": self.path, "checkpoint": self.checkpoint,
+                "rollout_id": self.rollout_id, "threshold": self.threshold, "trainer_source": self.trainer_source,
+                "logprob_abs_diff": self.logprob_abs_diff, "departs": self.sides(),
+                "samples": [a.to_json() for a in self.samples], "position_profile": self.position_profile}
+
+    def text(self) -> str:
+        sides = self.sides()
+        lines = [f"rollout data: {self.path} (rollout {self.rollout_id}, {len(self.samples)} samples)",
+                 f"  against {self.checkpoint}; trainer side: {self.trainer_source}",
+                 f"  train/train_rollout_logprob_abs_diff = {self.logprob_abs_diff:.4g}",
+                 f"  departs (mean |diff| vs the reference > {self.threshold:g}): engine {sides['engine']}, "
+                 f"trainer {sides['trainer']}, both {sides['both']}, none {sides['none']}",
+                 f"  {'sample':>6} {'engine-ref':>11} {'trainer-ref':>11} {'engine-trainer':>14}  departs"]
+        shown = sorted(self.samples, key=lambda a: -max(a.engine_vs_reference, a.trainer_vs_reference))[:20]
+        for a in shown:
+            j = a.to_json()
+            lines.append(f"  {str(j['index']):>6} {a.engine_vs_reference:11.3e} {a.trainer_vs_reference:11.3e} "
+                         f"{a.engine_vs_trainer:14.3e}  {a.departs}")
+        if len(self.samples) > len(shown):
+            lines.append(f"  ... {len(self.samples) - len(shown)} more samples (see --json)")
+        for a in self.departing[:5]:
+            worst = ", ".join(f"pos {w['position']} (token {w['token']}): engine {w['engine']:.4g}, reference "
+                              f"{w['reference']:.4g}, trainer {w['trainer']:.4g}" for w in a.worst_tokens[:3])
+            lines.append(f"  sample {a.to_json()['index']} worst: {worst}")
+        lines.append(f"verdict: {self.verdict}")
+        return "\n".join(lines)
+
+
+def _profile(attributions: list, bins: int = PROFILE_BINS) -> dict:
+    """Mean |side - reference| by response position, in at most `bins` equal position bins."""
+    longest = max(a.sample.response_length for a in attributions)
+    width = max(1, math.ceil(longest / bins))
+    n = math.ceil(longest / width)
+    sums = {side: torch.zeros(n, dtype=torch.float64) for side in SIDES}
+    counts = torch.zeros(n, dtype=torch.float64)
+    for a in attributions:
+        mask = torch.tensor(a.sample.mask, dtype=torch.float64)
+        slot = torch.arange(a.sample.response_length) // width
+        ref = torch.tensor(a.reference, dtype=torch.float64)
+        for side, values in (("engine", a.sample.engine), ("trainer", a.trainer)):
+            diff = torch.nan_to_num((torch.tensor(values, dtype=torch.float64) - ref).abs(), nan=0.0)
+            sums[side].index_add_(0, slot, diff * mask)
+        counts.index_add_(0, slot, mask)
+    return {"bin_start": [k * width for k in range(n)], "bin_width": width, "tokens": counts.tolist(),
+            **{side: (sums[side] / counts.clamp(min=1)).tolist() for side in SIDES}}
+
+
+def _response_logprobs(logits: torch.Tensor, tokens: list, start: int, temperature: float) -> list[float]:
+    """log p(tokens[t] | tokens[:t]) for t >= start, from full-sequence logits [L, V]."""
+    rows = torch.log_softmax(logits[start - 1:len(tokens) - 1].float() / temperature, dim=-1)
+    return rows.gather(-1, torch.tensor(tokens[start:], device=rows.device)[:, None])[:, 0].cpu().tolist()
+
+
+def attribute(data: RolloutData, checkpoint, device: str = "cpu", dtype: torch.dtype = torch.float32,
+              backends=None, threshold: float = DEFAULT_THRESHOLD, temperature: float = 1.0,
+              trainer_logprobs: dict | None = None, progress: bool = True) -> RolloutAttribution:
+    """Recompute every sample's response log-probs through the reference and the trainer side and tell,
+    per sample, which side departs from the reference."""
+    from glmkit.model import TrainPath, load_model
+    from glmkit.reference import load_reference, reference_logits
+
+    if not threshold > 0:
+        raise ValueError(f"threshold must be > 0, got {threshold}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0 (the framework divides the logits by it), got {temperature}")
+    reference = load_reference(checkpoint, dtype, device)
+    trainer = None if trainer_logprobs is not None else TrainPath(load_model(checkpoint, dtype, device), backends)
+    source = "the trainer's own log-probs (train data)" if trainer_logprobs is not None else \
+        "glmkit's train path (stand-in for the trainer)"
+    out = []
+    for s in tqdm(data.samples, desc="rollout-data", unit="sample", disable=not progress):
+        start = s.prompt_length
+        with torch.no_grad():
+            ref = _response_logprobs(reference_logits(reference, [s.tokens])[0], s.tokens, start, temperature)
+            if trainer is not None:
+                train = trainer.forward([s.tokens], temperature=temperature).logprobs[start - 1:len(s.tokens) - 1]
+                train = train.float().cpu().tolist()
+            else:
+                train = trainer_logprobs.get(tuple(s.tokens))
+                if train is None:
+                    raise ValueError(f"{data.path}: samples[{s.position}] has no entry in the train data (matched by "
+                                     f"its tokens); give the train data of the rank that trained it")
+                if len(train) != s.response_length:
+                    raise ValueError(f"train data: {len(train)} log-probs for samples[{s.position}]'s "
+                                     f"{s.response_length} response tokens")
+        out.append(_attribute_sample(s, ref, train, source, threshold))
+    mean = sum(a.engine_vs_trainer for a in out) / len(out)
+    return RolloutAttribution(data.path, str(checkpoint), data.rollout_id, threshold, source, out, mean, _profile(out))
+
+
+def _attribute_sample(s: RolloutSample, ref: list, train: list, source: str, threshold: float) -> SampleAttribution:
+    engine, reference, trainer = (torch.tensor(v, dtype=torch.float64) for v in (s.engine, ref, train))
+    mask = torch.tensor(s.mask, dtype=torch.float64)
+    a = SampleAttribution(s, ref, train, source, _masked_mean(engine, reference, mask),
+                          _masked_mean(trainer, reference, mask), _masked_mean(engine, trainer, mask))
+    # a non-finite log-prob on a counted token departs, whatever the mean (the framework's metric zeroes it)
+    counted = mask > 0
+    engine_off = a.engine_vs_reference > threshold or not bool(engine[counted].isfinite().all())
+    trainer_off = a.trainer_vs_reference > threshold or not bool(trainer[counted].isfinite().all())
+    a.departs = "both" if engine_off and trainer_off else "engine" if engine_off else \
+        "trainer" if trainer_off else "none"
+    worst = torch.nan_to_num(torch.maximum((engine - reference).abs(), (trainer - reference).abs()), nan=math.inf)
+    worst = torch.where(counted, worst, -1.0)
+    for pos in torch.argsort(worst, descending=True)[:WORST_TOKENS].tolist():
+        if not counted[pos]:
+            break
+        a.worst_tokens.append({"position": pos, "token": s.tokens[s.prompt_length + pos], "engine": s.engine[pos],
+                               "reference": ref[pos], "trainer": train[pos],
+                               "engine_abs_diff": abs(s.engine[pos] - ref[pos]),
+                               "trainer_abs_diff": abs(train[pos] - ref[pos])})
+    return a

@@ -1,0 +1,175 @@
+"""glmkit rollout-data: the framework's --save-debug-rollout-data file, one bad sample traced to its side
+(engine or trainer) and its tokens; files that need pickle refused."""
+
+import sys
+
+sys.modules.setdefault("fla", None)
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+
+from glmkit.cli import main
+from glmkit.model import RolloutEngine, SamplingParams, load_model
+from glmkit.parity.rollout_data import attribute, load_rollout_data, load_trainer_logprobs
+from tests.test_serve import CKPT
+
+PROMPTS = [[5, 17, 300, 41, 9], [77, 3, 3, 12], [900, 14, 15, 16, 17, 18], [2 + 40, 60, 80]]
+BROKEN_SAMPLE = 2  # its engine ran with a broken weight sync (lm_head x 1.5)
+
+
+def _completions(model, prompts, seed):
+    return RolloutEngine(model, "kda=torch").generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=12),
+                                                      seed=seed, record_routing=True)
+
+
+def _sample(k, completion, layers):
+    """A sample as miles' Sample.to_dict() saves it (all its fields; numpy routing as with R3)."""
+    tokens = completion.prompt + completion.tokens
+    routed = np.zeros((len(tokens) - 1, layers, 2), dtype=np.int32)
+    return {"group_index": k // 2, "index": 100 + k, "rollout_id": 7, "prompt": [{"role": "user", "content": "q"}],
+            "tokens": tokens, "multimodal_inputs": None, "multimodal_train_inputs": None, "response": "x",
+            "response_length": len(completion.tokens), "label": "4", "reward": np.float64(1.0),
+            "loss_mask": [1] * len(completion.tokens), "weight_versions": ["3"],
+            "rollout_log_probs": [float(v) for v in completion.logprobs], "rollout_routed_experts": routed,
+            "rollout_indexer_topk": None, "remove_sample": False, "teacher_log_probs": None, "opd_reverse_kl": None,
+            "status": "completed", "metadata": {}, "generate_function_path": None, "train_metadata": None,
+            "adapter": None, "reward_spec": None, "routing_key": None, "non_generation_time": 0.0,
+            "spec_info": {"spec_accept_token_num": 0, "spec_draft_token_num": 0, "spec_verify_ct": 0,
+                          "completion_token_num": len(completion.tokens)},
+            "prefix_cache_info": {"cached_tokens": 0, "total_prompt_tokens": len(completion.prompt)}}
+
+
+@pytest.fixture(scope="module")
+def rollout_file(tmp_path_factory):
+    """Rollout data whose sample 2 came from an engine with a broken weight sync."""
+    model = load_model(CKPT)
+    good = _completions(model, PROMPTS, seed=11)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(1.5)
+    broken = _completions(model, [PROMPTS[BROKEN_SAMPLE]], seed=12)[0]
+    completions = [broken if k == BROKEN_SAMPLE else c for k, c in enumerate(good)]
+    samples = [_sample(k, c, model.config.num_hidden_layers) for k, c in enumerate(completions)]
+    path = tmp_path_factory.mktemp("dump") / "rollout_data" / "7.pt"
+    path.parent.mkdir()
+    torch.save({"rollout_id": 7, "metadata": {}, "samples": samples}, path)
+    return path
+
+
+def test_the_engine_side_of_a_bad_sample_is_named(rollout_file, tmp_path, capsys):
+    out = tmp_path / "attribution.json"
+    assert main(["rollout-data", str(rollout_file), "--checkpoint", str(CKPT), "--json", str(out)]) == 1
+    data = json.loads(out.read_text())
+    departs = {s["index"]: s["departs"] for s in data["samples"]}
+    assert departs == {100: "none", 101: "none", 102: "engine", 103: "none"}, departs
+    bad = data["samples"][BROKEN_SAMPLE]
+    # the healthy side agrees with the reference to fp32 rounding on CPU (1e-4: float32 log-softmax of two
+    # different kernels over a 1024-token vocabulary); the broken engine is far off
+    assert bad["trainer_vs_reference"] < 1e-4 and bad["engine_vs_reference"] > 0.02
+    assert all(s["engine_vs_reference"] < 1e-4 for s in data["samples"] if s["index"] != 102)
+    assert len(bad["worst_tokens"]) == 8 and bad["worst_tokens"][0]["engine_abs_diff"] >= bad["worst_tokens"][-1]["engine_abs_diff"]
+    # the recipe's number: per sample masked mean of |trainer - engine|, then the mean over samples
+    expected = np.mean([s["engine_vs_trainer"] for s in data["samples"]])
+    assert data["logprob_abs_diff"] == pytest.approx(expected, rel=1e-12)
+    assert data["departs"] == {"engine": 1, "trainer": 0, "both": 0, "none": 3}
+    assert len(data["position_profile"]["engine"]) == len(data["position_profile"]["bin_start"])
+    assert "glmkit's train path" in data["trainer_source"]
+    assert "verdict: fail" in capsys.readouterr().out
+
+
+def test_the_trainer_side_and_its_tokens_from_the_framework_train_data(rollout_file, tmp_path):
+    """The trainer's own log-probs (its train data file): a sample whose trainer log-probs are off at two
+    tokens departs on the trainer side, those tokens first in its worst list."""
+    raw = torch.load(rollout_file, weights_only=False)
+    samples = [s for k, s in enumerate(raw["samples"]) if k != BROKEN_SAMPLE]
+    raw["samples"] = samples
+    healthy = tmp_path / "healthy.pt"
+    torch.save(raw, healthy)
+    data = load_rollout_data(healthy)
+    logp = [torch.tensor(s.engine) for s in data.samples]
+    logp[1][3] -= 0.9
+    logp[1][1] -= 0.6
+    train_file = tmp_path / "train_data" / "7_0.pt"
+    train_file.parent.mkdir()
+    torch.save({"rollout_id": 7, "rank": 0, "cp_rank": 0, "cp_size": 1, "qkv_format": "thd",
+                "rollout_data": {"tokens": [torch.tensor(s.tokens) for s in data.samples], "log_probs": logp,
+                                 "response_lengths": [s.response_length for s in data.samples]}}, train_file)
+    result = attribute(data, CKPT, trainer_logprobs=load_trainer_logprobs(train_file), progress=False)
+    assert [a.departs for a in result.samples] == ["none", "trainer", "none"]
+    worst = result.samples[1].worst_tokens
+    assert [w["position"] for w in worst[:2]] == [3, 1] and worst[0]["trainer_abs_diff"] > 0.8
+    assert "train data" in result.trainer_source
+    assert result.verdict == "fail"
+
+
+def test_masked_tokens_do_not_count(rollout_file, tmp_path):
+    raw = torch.load(rollout_file, weights_only=False)
+    sample = raw["samples"][0]
+    sample["rollout_log_probs"][-1] -= 5.0  # far off, but not trained on
+    sample["loss_mask"][-1] = 0
+    raw["samples"] = [sample]
+    path = tmp_path / "masked.pt"
+    torch.save(raw, path)
+    result = attribute(load_rollout_data(path), CKPT, progress=False)
+    assert result.verdict == "pass" and result.samples[0].engine_vs_reference < 1e-4
+    assert all(w["position"] != sample["response_length"] - 1 for w in result.samples[0].worst_tokens)
+
+
+@dataclass(frozen=True)
+class AdapterRef:  # stands in for miles' multi-LoRA class: loading it would need pickle
+    name: str
+    slot: int
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("pickle", "needs pickle to read (" + __name__ + ".AdapterRef)"),
+    ("not-dict", "expected a dict with a 'samples' list"),
+    ("short-logprobs", "samples[1].rollout_log_probs: 3 values for"),
+    ("no-logprobs", "samples[0]: no 'rollout_log_probs'"),
+    ("vocab", "outside the checkpoint's vocabulary of 1024"),
+    ("length", "samples[0].response_length"),
+    ("empty", "holds no samples"),
+    ("garbage", "not a readable torch.save file"),
+])
+def test_bad_files_are_exit_2_with_the_reason(damage, message, rollout_file, tmp_path, capsys):
+    raw = torch.load(rollout_file, weights_only=False)
+    path = tmp_path / "bad.pt"
+    if damage == "pickle":
+        raw["samples"][0]["adapter"] = AdapterRef("math", 0)
+    elif damage == "not-dict":
+        raw = [1, 2]
+    elif damage == "short-logprobs":
+        raw["samples"][1]["rollout_log_probs"] = [0.0] * 3
+    elif damage == "no-logprobs":
+        raw["samples"][0]["rollout_log_probs"] = None
+    elif damage == "vocab":
+        raw["samples"][0]["tokens"][0] = 5000
+    elif damage == "length":
+        raw["samples"][0]["response_length"] = len(raw["samples"][0]["tokens"])
+    elif damage == "empty":
+        raw["samples"] = []
+    if damage == "garbage":
+        path.write_bytes(b"\x00not torch")
+    else:
+        torch.save(raw, path)
+    assert main(["rollout-data", str(path), "--checkpoint", str(CKPT)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
+
+
+def test_a_pickle_payload_is_never_run(tmp_path, capsys, monkeypatch):
+    import os
+
+    class RunsCode:
+        def __reduce__(self):
+            return (os.system, ("touch pwned-by-rollout-data",))
+
+    path = tmp_path / "evil.pt"
+    torch.save({"rollout_id": 1, "samples": [RunsCode()]}, path)
+    monkeypatch.chdir(tmp_path)
+    assert main(["rollout-data", str(path), "--checkpoint", str(CKPT)]) == 2
+    assert "needs pickle to read" in capsys.readouterr().err
+    assert not (tmp_path / "pwned-by-rollout-data").exists()
