@@ -352,18 +352,14 @@ def cmd_ckpt_verify_engine(args) -> int:
 def cmd_rollout_data(args) -> int:
     import json
 
-    from glmkit.checkpoint import open_checkpoint
     from glmkit.outputs import check_file_out
-    from glmkit.parity.rollout_data import attribute, load_rollout_data, load_trainer_logprobs
+    from glmkit.parity.rollout_data import attribute_file
     from glmkit.report import write_atomic
 
     if args.json:
         check_file_out(args.json, "--json")
-    config = open_checkpoint(args.checkpoint).config  # a bad checkpoint is named before the data is read
-    data = load_rollout_data(args.path, vocab_size=config.vocab_size)
-    trainer = load_trainer_logprobs(args.train_data) if args.train_data else None
-    result = attribute(data, args.checkpoint, device=args.device, dtype=_dtype(args.dtype), backends=_backends(args),
-                       threshold=args.threshold, temperature=args.temperature, trainer_logprobs=trainer)
+    result = attribute_file(args.path, args.checkpoint, args.train_data, device=args.device, dtype=_dtype(args.dtype),
+                            backends=_backends(args), threshold=args.threshold, temperature=args.temperature)
     print(result.text())
     if args.json:
         write_atomic(Path(args.json), json.dumps(result.to_json(), indent=2))

@@ -6,6 +6,7 @@ import sys
 sys.modules.setdefault("fla", None)
 
 import json
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -173,3 +174,25 @@ def test_a_pickle_payload_is_never_run(tmp_path, capsys, monkeypatch):
     assert main(["rollout-data", str(path), "--checkpoint", str(CKPT)]) == 2
     assert "needs pickle to read" in capsys.readouterr().err
     assert not (tmp_path / "pwned-by-rollout-data").exists()
+
+
+def test_notebook_01_traces_the_rollout_data_and_its_report_says_which_side(rollout_file, tmp_path, capsys):
+    from glmkit.notebook import main as report_main
+    from tests.test_notebooks import INLINE_PNG, LAYER_PARITY, report_header
+    from tests.test_report_offline import assert_offline
+
+    out = tmp_path / "report"
+    assert report_main(["report", str(LAYER_PARITY), "--out", str(out), "-p", "checkpoint", str(CKPT),
+                        "-p", "rollout_data", str(rollout_file)]) == 1
+    assert "verdict: fail" in capsys.readouterr().out
+    data = json.loads((out / "parity.json").read_text())
+    assert data["mode"] == "rollout data" and data["departs"]["engine"] == 1
+    assert [s["departs"] for s in data["samples"]] == ["none", "none", "engine", "none"]
+    text = (out / "01_layer_parity.html").read_text()
+    header = report_header(text)
+    assert "1 of 4 samples depart: 1 on the engine side" in header
+    # the views: banner and table as HTML, per-token trace and position profile as PNG; no layer parity
+    assert len(INLINE_PNG.findall(text)) == 2
+    assert re.search(r"<tr style=\"color:#b3261e;font-weight:bold\"><td>102</td>.*?<td>engine</td></tr>", text)
+    assert "first divergence" not in header
+    assert_offline(text)

@@ -337,3 +337,14 @@ def _attribute_sample(s: RolloutSample, ref: list, train: list, source: str, thr
                                "engine_abs_diff": abs(s.engine[pos] - ref[pos]),
                                "trainer_abs_diff": abs(train[pos] - ref[pos])})
     return a
+
+
+def attribute_file(path, checkpoint, train_data=None, **settings) -> RolloutAttribution:
+    """`attribute` on a rollout data file (validated against the checkpoint's vocabulary), with the
+    trainer's own log-probs from `train_data` when given. `settings`: attribute's keywords."""
+    from glmkit.checkpoint import open_checkpoint
+
+    config = open_checkpoint(checkpoint).config  # a bad checkpoint is named before the data is read
+    data = load_rollout_data(path, vocab_size=config.vocab_size)
+    trainer = load_trainer_logprobs(train_data) if train_data else None
+    return attribute(data, checkpoint, trainer_logprobs=trainer, **settings)
