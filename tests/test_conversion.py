@@ -144,6 +144,26 @@ def test_optimizer_state_in_the_checkpoint_is_skipped_not_extra(hf, good_state, 
     assert report.passed and report.skipped["optimizer / training-state tensors"] == 1
 
 
+def test_per_expert_keys_and_wrapper_prefixes_are_read_as_the_map_names(hf, good_state, tmp_path):
+    """Experts saved one key each (`...mlp.experts.linear_fc1.weight{e}`, Megatron's singleton local
+    shards) and keys under a `module.module.` / `language_model.` wrapper: the same checkpoint."""
+    def per_expert(state):
+        for fc in ("linear_fc1", "linear_fc2"):
+            stack = state.pop(f"decoder.layers.3.mlp.experts.experts.{fc}.weight")
+            for e in range(stack.shape[0]):
+                state[f"module.module.decoder.layers.3.mlp.experts.{fc}.weight{e}"] = stack[e].clone()
+        state["language_model.decoder.final_layernorm.weight"] = state.pop("decoder.final_layernorm.weight")
+    report = verify_conversion(hf, _broken(good_state, tmp_path, per_expert), progress=False)
+    assert report.passed and report.checked == len(good_state), report.text()
+
+    def permuted(state):
+        per_expert(state)
+        key = "module.module.decoder.layers.3.mlp.experts.linear_fc2.weight{}"
+        state[key.format(0)], state[key.format(6)] = state[key.format(6)], state[key.format(0)]
+    row = _only(verify_conversion(hf, _broken(good_state, tmp_path / "p", permuted), progress=False), "differing")
+    assert row["key"] == "decoder.layers.3.mlp.experts.experts.linear_fc2.weight" and row["experts"] == [0, 6]
+
+
 # --- each break is named by tensor, with its likely cause ----------------------------------------------
 
 def _swap_halves(t):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -301,10 +302,58 @@ def _ranges(values: list[int]) -> str:
     return ",".join(out)
 
 
+_WRAPPERS = re.compile(r"^(?:module\.)*(?:language_model\.)?")  # DDP / Float16Module / VLM wrappers' prefixes
+_PER_EXPERT = re.compile(r"^(?P<stack>.+\.mlp\.experts\.)(?:experts\.)?(?P<fc>linear_fc[12])\.weight(?P<e>\d+)$")
+
+
+class _Stored:
+    """The checkpoint's tensors under the map's key names: wrapper prefixes removed, and routed experts
+    saved one tensor per expert (`...linear_fc1.weight{e}`, Megatron's singleton local shards) seen as
+    their stack."""
+
+    def __init__(self, dist: TorchDistCheckpoint):
+        self.dist = dist
+        self.keys: dict[str, str] = {}                 # map key -> stored key
+        self.experts: dict[str, dict[int, str]] = {}   # stacked map key -> {expert: stored key}
+        for key in dist.tensors:
+            canonical = _WRAPPERS.sub("", key)
+            match = _PER_EXPERT.match(canonical)
+            if match:
+                stack = f"{match['stack']}experts.{match['fc']}.weight"
+                self.experts.setdefault(stack, {})[int(match["e"])] = key
+            else:
+                self.keys[canonical] = key
+
+    def names(self) -> list[str]:
+        return list(self.keys) + list(self.experts)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.keys or key in self.experts
+
+    def info(self, key: str):
+        """(shape, dtype) as one tensor."""
+        if key in self.keys:
+            t = self.dist.tensors[self.keys[key]]
+            return tuple(t.shape), t.dtype
+        parts = self.experts[key]
+        first = self.dist.tensors[parts[min(parts)]]
+        return (max(parts) + 1,) + tuple(first.shape), first.dtype
+
+    def get(self, key: str) -> torch.Tensor:
+        if key in self.keys:
+            return self.dist.get(self.keys[key])
+        parts = self.experts[key]
+        if sorted(parts) != list(range(max(parts) + 1)):
+            raise CheckpointError(f"{self.dist.path}: experts of {key} saved one per key, but experts "
+                                  f"{sorted(set(range(max(parts) + 1)) - set(parts))[:8]} are missing")
+        return torch.stack([self.dist.get(parts[e]) for e in range(len(parts))])
+
+
 def verify_conversion(hf, torch_dist, atol: float = 0.0, progress: bool = True) -> ConversionReport:
     """Check the torch_dist checkpoint at `torch_dist` against the HF checkpoint at `hf`."""
     ckpt = hf if isinstance(hf, Checkpoint) else open_checkpoint(hf)
     dist = TorchDistCheckpoint(torch_dist)
+    stored = _Stored(dist)
     shapes = hf_shapes(ckpt)
     try:
         rules = megatron_rules(ckpt.config, shapes)
@@ -314,37 +363,37 @@ def verify_conversion(hf, torch_dist, atol: float = 0.0, progress: bool = True) 
     state = [k for k in dist.tensors if _is_training_state(k)]
     report.skipped = {kind: n for kind, n in (("non-tensor entries", len(dist.blobs)),
                                               ("optimizer / training-state tensors", len(state))) if n}
-    report.extra = [{"key": k, "shape": list(dist.tensors[k].shape)} for k in dist.tensors
+    report.extra = [{"key": k, "shape": list(stored.info(k)[0])} for k in stored.names()
                     if k not in rules and not _is_training_state(k)]
     check = _Check(report, _HF(ckpt), lambda name: shapes[name], atol)
     for key, rule in tqdm(rules.items(), desc="verify-conversion", unit="tensor", disable=not progress):
-        if key not in dist.tensors:
+        if key not in stored:
             report.missing.append({"key": key, "hf": list(rule.hf)})
             continue
         report.checked += 1
-        stored = dist.tensors[key]
+        shape, dtype = stored.info(key)
         expected_shape = rule.shape(shapes)
-        if rule.keeps_fp32 and stored.dtype != torch.float32:
-            report.narrowed.append({"key": key, "dtype": str(stored.dtype).replace("torch.", "")})
-        if stored.shape != expected_shape:
-            if key in PADDED_KEYS and stored.shape[1:] == expected_shape[1:] and stored.shape[0] > expected_shape[0]:
-                report.padded.append({"key": key, "rows": stored.shape[0], "expected_rows": expected_shape[0]})
+        if rule.keeps_fp32 and dtype != torch.float32:
+            report.narrowed.append({"key": key, "dtype": str(dtype).replace("torch.", "")})
+        if shape != expected_shape:
+            if key in PADDED_KEYS and shape[1:] == expected_shape[1:] and shape[0] > expected_shape[0]:
+                report.padded.append({"key": key, "rows": shape[0], "expected_rows": expected_shape[0]})
             else:
-                report.misshaped.append({"key": key, "hf": list(rule.hf[:4]), "shape": list(stored.shape),
+                report.misshaped.append({"key": key, "hf": list(rule.hf[:4]), "shape": list(shape),
                                          "expected": list(expected_shape),
-                                         "cause": _shape_cause(rule, dist, stored.shape, expected_shape, check)})
+                                         "cause": _shape_cause(rule, stored, shape, expected_shape, check)})
                 continue
-        actual = dist.get(key)
+        actual = stored.get(key)
         good = check.stacked(rule, actual) if rule.join == STACK else check.plain(rule, actual)
         report.matched += int(good)
         del actual
     return report
 
 
-def _shape_cause(rule: Rule, dist: TorchDistCheckpoint, shape: tuple, expected_shape: tuple, check: _Check) -> str | None:
+def _shape_cause(rule: Rule, stored: _Stored, shape: tuple, expected_shape: tuple, check: _Check) -> str | None:
     """Transposed (stored as [cols, rows]), or the experts' stack laid out on another dim."""
     if len(shape) == 2 and tuple(reversed(shape)) == tuple(expected_shape) and rule.join != STACK:
-        actual = dist.get(rule.key)
+        actual = stored.get(rule.key)
         expected = megatron_tensor(rule, check.read).to(actual.dtype)
         return "transposed" if _equal(actual.T, expected, check.atol) else "transposed shape (values differ too)"
     if rule.join == STACK and len(shape) == 3 and shape[0] == expected_shape[0] and \

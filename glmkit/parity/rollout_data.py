@@ -273,10 +273,24 @@ def _profile(attributions: list, bins: int = PROFILE_BINS) -> dict:
             **{side: (sums[side] / counts.clamp(min=1)).tolist() for side in SIDES}}
 
 
-def _response_logprobs(logits: torch.Tensor, tokens: list, start: int, temperature: float) -> list[float]:
-    """log p(tokens[t] | tokens[:t]) for t >= start, from full-sequence logits [L, V]."""
-    rows = torch.log_softmax(logits[start - 1:len(tokens) - 1].float() / temperature, dim=-1)
-    return rows.gather(-1, torch.tensor(tokens[start:], device=rows.device)[:, None])[:, 0].cpu().tolist()
+LOGIT_ROWS = 2048  # the reference's head applied this many positions at a time: [rows, vocab] fp32 at most
+
+
+@torch.no_grad()
+def reference_response_logprobs(model, tokens: list, start: int, temperature: float) -> list[float]:
+    """log p(tokens[t] | tokens[:t]) for t >= start under the transformers reference: its hidden states
+    once, its head over the response positions in chunks (full logits of a 32k-token sequence at a
+    154880-token vocabulary would be 20 GB)."""
+    ids = torch.tensor([tokens], device=model.device)
+    hidden = model.model(input_ids=ids, attention_mask=torch.ones_like(ids)).last_hidden_state[0]
+    targets = torch.tensor(tokens[start:], device=hidden.device)
+    out = []
+    for r0 in range(start - 1, len(tokens) - 1, LOGIT_ROWS):
+        rows = hidden[r0:min(r0 + LOGIT_ROWS, len(tokens) - 1)]
+        logp = torch.log_softmax(model.lm_head(rows).float() / temperature, dim=-1)
+        picked = targets[r0 - start + 1:r0 - start + 1 + rows.shape[0]]
+        out.append(logp.gather(-1, picked[:, None])[:, 0])
+    return torch.cat(out).cpu().tolist()
 
 
 def attribute(data: RolloutData, checkpoint, device: str = "cpu", dtype: torch.dtype = torch.float32,
@@ -285,7 +299,7 @@ def attribute(data: RolloutData, checkpoint, device: str = "cpu", dtype: torch.d
     """Recompute every sample's response log-probs through the reference and the trainer side and tell,
     per sample, which side departs from the reference."""
     from glmkit.model import TrainPath, load_model
-    from glmkit.reference import load_reference, reference_logits
+    from glmkit.reference import load_reference
 
     if not threshold > 0:
         raise ValueError(f"threshold must be > 0, got {threshold}")
@@ -299,7 +313,7 @@ def attribute(data: RolloutData, checkpoint, device: str = "cpu", dtype: torch.d
     for s in tqdm(data.samples, desc="rollout-data", unit="sample", disable=not progress):
         start = s.prompt_length
         with torch.no_grad():
-            ref = _response_logprobs(reference_logits(reference, [s.tokens])[0], s.tokens, start, temperature)
+            ref = reference_response_logprobs(reference, s.tokens, start, temperature)
             if trainer is not None:
                 train = trainer.forward([s.tokens], temperature=temperature).logprobs[start - 1:len(s.tokens) - 1]
                 train = train.float().cpu().tolist()
