@@ -379,3 +379,20 @@ def _pickle_with_megatron_object(index) -> bytes:
     ours, theirs = b"c" + __name__.encode() + b"\n_Megatronish\n", b"cmegatron.core.fake\n_Megatronish\n"
     assert ours in data
     return data.replace(ours, theirs)
+
+
+def test_an_hf_checkpoint_named_as_the_framework_exports_it_is_the_same_checkpoint(hf, good_state, tmp_path):
+    """The framework's own HF export names text tensors `model.layers.N...` (no `language_model.`):
+    read under the released names, checked the same, and loaded by the model alike."""
+    from safetensors.torch import load_file, save_file
+
+    flat = tmp_path / "flat"
+    shutil.copytree(hf, flat)
+    tensors = load_file(flat / "model.safetensors")
+    save_file({k.replace("model.language_model.", "model.", 1): v for k, v in tensors.items()},
+              flat / "model.safetensors")
+    ckpt = open_checkpoint(flat)
+    assert ckpt.text_keys() == open_checkpoint(hf).text_keys()
+    name = "model.language_model.layers.0.self_attn.q_proj.weight"
+    assert torch.equal(ckpt.get(name), open_checkpoint(hf).get(name))
+    assert verify_conversion(flat, _write(good_state, tmp_path / "td"), progress=False).passed

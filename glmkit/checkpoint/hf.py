@@ -20,7 +20,7 @@ import shutil
 import warnings
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -80,6 +80,7 @@ class TensorInfo:
     dtype: torch.dtype
     shape: tuple[int, ...]
     nbytes: int
+    stored_as: str | None = None  # the name in the file, where it is not glmkit's name for the tensor
 
 
 # ----------------------------------------------------------------------------- reading
@@ -332,7 +333,7 @@ class Checkpoint:
         """Read one tensor from disk (only this one), optionally cast and moved."""
         info = self.info(name)
         try:
-            tensor = self._handle(info.file).get_tensor(name)
+            tensor = self._handle(info.file).get_tensor(info.stored_as or name)
         except Exception as e:
             raise CheckpointError(f"{info.file}: cannot read tensor {name}: {e}") from e
         if dtype is not None or torch.device(device).type != "cpu":
@@ -402,6 +403,23 @@ def _describe_mtp(names: list[str], config: Glm5NextTextConfig) -> str:
     return ", ".join(parts)
 
 
+_FLAT_TEXT = "model."  # the framework's own HF export (miles' megatron_to_hf) names text tensors model.layers.N...
+
+
+def _flat_prefix_renamed(tensors: dict[str, TensorInfo], source: Path) -> tuple[dict[str, TensorInfo], Path]:
+    """A checkpoint naming its text tensors `model.layers.N...` / `model.embed_tokens.weight` (as the
+    recipe's framework exports them; SGLang reads both) seen under the released names
+    (`model.language_model.`); the file's names are kept for reading. Vision tensors are not moved."""
+    if any(name.startswith(TEXT_PREFIX) for name in tensors):
+        return tensors, source
+    renamed = {}
+    for name, info in tensors.items():
+        if name.startswith(_FLAT_TEXT) and not name.startswith(VISION_PREFIX):
+            name, info = TEXT_PREFIX + name[len(_FLAT_TEXT):], replace(info, stored_as=name)
+        renamed[name] = info
+    return renamed, source
+
+
 def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
     """Open and validate a checkpoint directory without reading any tensor data.
 
@@ -416,7 +434,7 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
         raise CheckpointError(f"{config_file}: missing")
     config = text_config_from_json(_read_json(config_file), config_file)
 
-    all_tensors, source = _tensor_map(path)
+    all_tensors, source = _flat_prefix_renamed(*_tensor_map(path))
     text, vision, mtp = {}, [], []
     for name, info in all_tensors.items():
         if name.startswith(VISION_PREFIX):
