@@ -545,6 +545,8 @@ def _launcher_arguments(p) -> None:
             p.add_argument(option.flag, dest=field, action=argparse.BooleanOptionalAction, default=None, help=text)
         elif option.kind == "choice":
             p.add_argument(option.flag, dest=field, choices=list(option.choices), help=text)
+        elif option.kind == "list":
+            p.add_argument(option.flag, dest=field, action="append", help=text)
         else:
             p.add_argument(option.flag, dest=field, type=types[option.kind], help=text)
     # the names glmkit used before it took the launcher's own

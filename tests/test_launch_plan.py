@@ -148,7 +148,8 @@ def test_a_command_line_moves_between_glmkit_and_the_launcher_unchanged(capsys):
 
     options = ["--model-name", "GLM-5.3-Flash", "--num-nodes", "16", "--num-gpus-per-node", "4", "--num-rollout", "20",
                "--rollout-max-response-len", "4096", "--enable-r3", "--no-check-weight-update-equal",
-               "--train-offload-dir", "/scratch/offload", "--run-id", "bringup-1"]
+               "--train-offload-dir", "/scratch/offload", "--run-id", "bringup-1",
+               "--helm-values", "a.yaml", "--helm-values", "b.yaml"]  # a repeatable option, repeated
     assert main(["launch", "--dry-run", "--json", "--gpu-memory-gib", "288", *options]) == 0
     data = json.loads(capsys.readouterr().out)
     argv = data["commands"][-1]["argv"]

@@ -46,7 +46,8 @@ ROUTING_REPLAY = "--use-rollout-routing-replay"
 
 @dataclass(frozen=True)
 class Option:
-    """One launcher option: its field, its type ("int", "float", "str", "bool", "choice"), default."""
+    """One launcher option: its field, its type ("int", "float", "str", "bool", "choice", "list": a
+    repeatable option), default."""
 
     field: str
     kind: str
@@ -67,6 +68,11 @@ class Option:
         no parser takes it for an option)."""
         if self.kind == "bool":
             return [self.flag if value else self.no_flag]
+        if self.kind == "list":
+            return [word for item in value for word in self.words_one(item)]
+        return self.words_one(value)
+
+    def words_one(self, value) -> list[str]:
         if str(value).startswith("-"):
             return [f"{self.flag}={value}"]
         return [self.flag, str(value)]
@@ -118,7 +124,8 @@ class Launcher:
         argv = ["python", self.script] + ([self.command] if self.command else [])
         for option in self.options:
             value = given.get(option.field)
-            if value is None or (option.kind == "str" and value == "" and option.default == ""):
+            if value is None or (option.kind == "str" and value == "" and option.default == "") or \
+                    (option.kind == "list" and not value):
                 continue
             argv += option.words(value)
         return argv
@@ -148,6 +155,7 @@ FULL_LAUNCHER = Launcher(
         Option("cluster_backend", "choice", "ray", ("ray", "kubernetes")),
         Option("run_id", "str", None, help="default: a time stamp the launcher makes"),
         Option("namespace", "str", ""),
+        Option("helm_values", "list", (), help="repeatable; used by --cluster-backend kubernetes"),
         Option("force", "bool", False),
         Option("ci_run", "bool", False),
         Option("model_name", "choice", SLICE, (FULL, SLICE)),
