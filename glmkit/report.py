@@ -7,6 +7,7 @@ import base64
 import html
 import io
 import json
+import math
 import os
 import platform
 from importlib import metadata
@@ -21,6 +22,18 @@ def versions() -> dict[str, str]:
         except metadata.PackageNotFoundError:
             pass
     return found
+
+
+def json_safe(value):
+    """`value` with every non-finite float as None, so the JSON written is strict JSON (NaN and inf
+    are not JSON; readers in other languages refuse them)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
 
 
 def write_atomic(path: Path, data: bytes | str) -> Path:

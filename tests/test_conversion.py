@@ -396,3 +396,53 @@ def test_an_hf_checkpoint_named_as_the_framework_exports_it_is_the_same_checkpoi
     name = "model.language_model.layers.0.self_attn.q_proj.weight"
     assert torch.equal(ckpt.get(name), open_checkpoint(hf).get(name))
     assert verify_conversion(flat, _write(good_state, tmp_path / "td"), progress=False).passed
+
+
+def test_a_dotted_name_in_the_index_is_refused_before_any_lookup(hf, good_state, tmp_path, monkeypatch, capsys):
+    """Pickle protocol 4 resolves `module` + dotted `name` attribute by attribute: the DCP metadata
+    module's own `os.system` must not be reachable through it."""
+    folder, release = _copy(good_state, tmp_path, "td")
+
+    def short(text):
+        return b"\x8c" + bytes([len(text)]) + text
+
+    payload = (b"\x80\x04" + short(b"torch.distributed.checkpoint.metadata") + short(b"os.system") + b"\x93"
+               + short(b"touch pwned-by-dotted-name") + b"\x85R.")
+    (release / ".metadata").write_bytes(payload)
+    monkeypatch.chdir(tmp_path)
+    assert main(["ckpt", "verify-conversion", "--hf", str(hf), "--torch-dist", str(folder)]) == 2
+    assert "a dotted name is not part of" in capsys.readouterr().err
+    assert not (tmp_path / "pwned-by-dotted-name").exists()
+
+
+def test_integers_nan_gaps_and_duplicates_are_reported_not_passed(hf, good_state, tmp_path, capsys):
+    norm = "decoder.final_layernorm.weight"
+
+    def ints(state):
+        state[norm] = state[norm].to(torch.int32)
+    assert _only(verify_conversion(hf, _broken(good_state, tmp_path / "i", ints), progress=False),
+                 "mistyped") == {"key": norm, "dtype": "int32"}
+
+    def nan_in_stored(state):
+        state[norm][3] = float("nan")
+    row = _only(verify_conversion(hf, _broken(good_state, tmp_path / "n", nan_in_stored), progress=False), "differing")
+    assert row["differing"] == 1 and row["cause"].startswith("non-finite values")
+    out = tmp_path / "nan.json"
+    assert main(["ckpt", "verify-conversion", "--hf", str(hf), "--torch-dist", str(tmp_path / "n" / "broken"),
+                 "--json", str(out)]) == 1
+    json.loads(out.read_text(), parse_constant=lambda c: pytest.fail(f"{c} is not JSON"))
+
+    def experts_with_a_gap(state):
+        stack = state.pop("decoder.layers.3.mlp.experts.experts.linear_fc2.weight")
+        for e in range(stack.shape[0]):
+            if e not in (2, 3):
+                state[f"decoder.layers.3.mlp.experts.linear_fc2.weight{e}"] = stack[e].clone()
+    row = _only(verify_conversion(hf, _broken(good_state, tmp_path / "g", experts_with_a_gap), progress=False),
+                "missing")
+    assert row["key"] == "decoder.layers.3.mlp.experts.experts.linear_fc2.weight" and row["experts"] == [2, 3]
+
+    def twice(state):
+        state["module." + norm] = state[norm] * 2
+    row = _only(verify_conversion(hf, _broken(good_state, tmp_path / "d", twice), progress=False), "extra")
+    assert row["duplicate_of"] in (norm, "module." + norm)
+    capsys.readouterr()

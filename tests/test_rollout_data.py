@@ -72,9 +72,18 @@ def test_the_engine_side_of_a_bad_sample_is_named(rollout_file, tmp_path, capsys
     assert bad["trainer_vs_reference"] < 1e-4 and bad["engine_vs_reference"] > 0.02
     assert all(s["engine_vs_reference"] < 1e-4 for s in data["samples"] if s["index"] != 102)
     assert len(bad["worst_tokens"]) == 8 and bad["worst_tokens"][0]["engine_abs_diff"] >= bad["worst_tokens"][-1]["engine_abs_diff"]
-    # the recipe's number: per sample masked mean of |trainer - engine|, then the mean over samples
-    expected = np.mean([s["engine_vs_trainer"] for s in data["samples"]])
-    assert data["logprob_abs_diff"] == pytest.approx(expected, rel=1e-12)
+    # the recipe's number, recomputed here from the file and an independent train-path run: per sample the
+    # mean of |trainer - engine| over the response, then the mean over samples (fp32 log-probs: 1e-6 rel)
+    from glmkit.model import TrainPath
+
+    saved = torch.load(rollout_file, weights_only=False)["samples"]
+    train = TrainPath(load_model(CKPT), "kda=torch")
+    per_sample = []
+    for s in saved:
+        with torch.no_grad():
+            lp = train.forward([s["tokens"]]).logprobs[len(s["tokens"]) - s["response_length"] - 1:-1]
+        per_sample.append((lp.double() - torch.tensor(s["rollout_log_probs"], dtype=torch.float64)).abs().mean().item())
+    assert data["logprob_abs_diff"] == pytest.approx(np.mean(per_sample), rel=1e-6)
     assert data["departs"] == {"engine": 1, "trainer": 0, "both": 0, "none": 3}
     assert len(data["position_profile"]["engine"]) == len(data["position_profile"]["bin_start"])
     assert "glmkit's train path" in data["trainer_source"]
@@ -117,6 +126,32 @@ def test_masked_tokens_do_not_count(rollout_file, tmp_path):
     result = attribute(load_rollout_data(path), CKPT, progress=False)
     assert result.verdict == "pass" and result.samples[0].engine_vs_reference < 1e-4
     assert all(w["position"] != sample["response_length"] - 1 for w in result.samples[0].worst_tokens)
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("lengths", "4 token sequences but 3 log-prob lists"),
+    ("nested", "log_probs[0]: expected a flat list"),
+    ("cp", "cp_size '2'; expected a positive integer"),
+    ("tokens", "tokens[1]: expected a flat list of token ids"),
+])
+def test_bad_train_data_is_exit_2_with_the_reason(damage, message, rollout_file, tmp_path, capsys):
+    data = load_rollout_data(rollout_file)
+    dump = {"rollout_id": 7, "rank": 0, "cp_rank": 0, "cp_size": 1, "qkv_format": "thd",
+            "rollout_data": {"tokens": [torch.tensor(s.tokens) for s in data.samples],
+                             "log_probs": [torch.tensor(s.engine) for s in data.samples]}}
+    if damage == "lengths":
+        dump["rollout_data"]["log_probs"].pop()
+    elif damage == "nested":
+        dump["rollout_data"]["log_probs"][0] = torch.zeros(2, 3)
+    elif damage == "cp":
+        dump["cp_size"] = "2"
+    elif damage == "tokens":
+        dump["rollout_data"]["tokens"][1] = 5
+    path = tmp_path / "train.pt"
+    torch.save(dump, path)
+    assert main(["rollout-data", str(rollout_file), "--checkpoint", str(CKPT), "--train-data", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ import ipywidgets as W
 import numpy as np
 from matplotlib.figure import Figure
 
+from glmkit.parity.rollout_data import severity
 from widgets.parity import FAIL_COLOR, FLOOR, MAX_WIDTH_IN, MIN_FONT_PT, PASS_COLOR, show_in
 
 SIDE_COLORS = {"engine": "#1f77b4", "trainer": "#d62728"}
@@ -65,7 +66,7 @@ class SampleTable:
 
     @property
     def html(self) -> str:
-        ordered = sorted(self.result.samples, key=lambda a: -max(a.engine_vs_reference, a.trainer_vs_reference))
+        ordered = sorted(self.result.samples, key=severity)
         body = []
         for a in ordered[:self.rows]:
             j = a.to_json()
@@ -86,7 +87,7 @@ class TokenTrace:
 
     def __init__(self, result):
         self.result = result
-        ordered = sorted(result.samples, key=lambda a: -max(a.engine_vs_reference, a.trainer_vs_reference))
+        ordered = sorted(result.samples, key=severity)
         self.choice = W.Dropdown(options=[(_sample_label(a), k) for k, a in enumerate(ordered)], value=0,
                                  description="sample")
         self.ordered = ordered

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -112,12 +113,13 @@ class ConversionReport:
     misshaped: list = field(default_factory=list)    # {"key", "hf", "shape", "expected", "cause"}
     differing: list = field(default_factory=list)    # {"key", "hf", "max_abs_diff", "differing", "numel", "cause"}
     narrowed: list = field(default_factory=list)     # {"key", "dtype"}: a tensor the framework keeps in fp32
+    mistyped: list = field(default_factory=list)     # {"key", "dtype"}: stored as integers or bool
     padded: list = field(default_factory=list)       # {"key", "rows", "expected_rows"}: vocab padding (fine)
     skipped: dict = field(default_factory=dict)      # non-tensor entries and training state, by kind
 
     @property
     def passed(self) -> bool:
-        return not (self.missing or self.extra or self.misshaped or self.differing or self.narrowed)
+        return not (self.missing or self.extra or self.misshaped or self.differing or self.narrowed or self.mistyped)
 
     @property
     def verdict(self) -> str:
@@ -126,28 +128,36 @@ class ConversionReport:
     def to_json(self) -> dict:
         return {"verdict": self.verdict, "hf": self.hf, "torch_dist": self.torch_dist, "checked": self.checked,
                 "matched": self.matched, "missing": self.missing, "extra": self.extra, "misshaped": self.misshaped,
-                "differing": self.differing, "narrowed": self.narrowed, "padded": self.padded,
+                "differing": self.differing, "narrowed": self.narrowed, "mistyped": self.mistyped,
+                "padded": self.padded,
                 "skipped": self.skipped}
 
     def text(self) -> str:
         lines = [f"conversion check: {self.torch_dist}\n  against {self.hf}",
                  f"  {self.checked} tensors checked, {self.matched} match; "
                  f"{len(self.missing)} missing, {len(self.extra)} extra, {len(self.misshaped)} mis-shaped, "
-                 f"{len(self.differing)} differing, {len(self.narrowed)} narrowed from fp32"]
+                 f"{len(self.differing)} differing, {len(self.narrowed)} narrowed from fp32"
+                 + (f", {len(self.mistyped)} not floating point" if self.mistyped else "")]
         if self.skipped:
             lines.append("  not weights, skipped: " + ", ".join(f"{n} {kind}" for kind, n in self.skipped.items()))
         for row in self.padded:
             lines.append(f"  note: {row['key']} has {row['rows']} rows for a {row['expected_rows']}-token vocab "
                          f"(padding; the first {row['expected_rows']} rows were compared)")
-        sections = [("missing", self.missing, lambda r: f"{r['key']}  (from {', '.join(r['hf'][:2])}"
-                                                          f"{', ...' if len(r['hf']) > 2 else ''})"),
-                    ("extra", self.extra, lambda r: f"{r['key']} {list(r['shape'])}"),
+        sections = [("missing", self.missing, lambda r: (f"{r['key']}: experts {_ranges(r['experts'])} of its "
+                                                           f"one-key-per-expert stack" if r.get("experts") else
+                                                           f"{r['key']}  (from {', '.join(r['hf'][:2])}"
+                                                           f"{', ...' if len(r['hf']) > 2 else ''})")),
+                    ("extra", self.extra, lambda r: f"{r['key']} {list(r['shape'])}" +
+                     (f" (a second copy of {r['duplicate_of']}; which one the framework loads is unclear)"
+                      if r.get("duplicate_of") else "")),
                     ("mis-shaped", self.misshaped, lambda r: f"{r['key']} {list(r['shape'])}, expected "
                                                              f"{list(r['expected'])}" + _cause(r)),
                     ("differing", self.differing, lambda r: f"{r['key']}: {r['differing']} of {r['numel']} "
                                                             f"elements, max |diff| {r['max_abs_diff']:.3g}" + _cause(r)),
                     ("narrowed", self.narrowed, lambda r: f"{r['key']} stored as {r['dtype']}; the framework "
-                                                          f"keeps it in float32")]
+                                                          f"keeps it in float32"),
+                    ("not floating point", self.mistyped, lambda r: f"{r['key']} stored as {r['dtype']}; its HF "
+                                                                    f"tensor is floating point")]
         for title, rows, show in sections:
             if rows:
                 lines.append(f"  {title}:")
@@ -162,18 +172,54 @@ def _cause(row: dict) -> str:
     return f": likely {row['cause']}" if row.get("cause") else ""
 
 
-def _equal(a: torch.Tensor, b: torch.Tensor, atol: float) -> bool:
-    if a.shape != b.shape:
-        return False
-    if atol == 0:
-        return torch.equal(a, b)
-    return bool((a.float() - b.float()).abs().max() <= atol) if a.numel() else True
+CHUNK_ELEMENTS = 1 << 22  # compared this many elements at a time: temporaries stay small beside the tensors
+
+
+def _chunks(a: torch.Tensor, b: torch.Tensor):
+    """Matching flat pieces of two same-shape tensors, as float64 (exact for every stored dtype)."""
+    a, b = a.reshape(-1), b.reshape(-1)
+    for start in range(0, a.numel(), CHUNK_ELEMENTS):
+        yield a[start:start + CHUNK_ELEMENTS].double(), b[start:start + CHUNK_ELEMENTS].double()
 
 
 def difference(actual: torch.Tensor, expected: torch.Tensor, atol: float) -> tuple[float, int]:
-    """Largest |difference| and the number of elements differing by more than atol."""
-    diff = (actual.float() - expected.float()).abs()
-    return (float(diff.max()) if diff.numel() else 0.0), int((diff > atol).sum())
+    """Largest |difference| and how many elements differ by more than atol. NaN matches NaN (an
+    element NaN on one side only differs, by inf)."""
+    worst, count = 0.0, 0
+    for a, e in _chunks(actual, expected):
+        both_nan = a.isnan() & e.isnan()
+        diff = (a - e).abs().masked_fill(both_nan, 0.0).nan_to_num(nan=math.inf)
+        if diff.numel():
+            worst = max(worst, float(diff.max()))
+        count += int((diff > atol).sum())
+    return worst, count
+
+
+def _equal(a: torch.Tensor, b: torch.Tensor, atol: float) -> bool:
+    if a.shape != b.shape:
+        return False
+    if atol == 0 and a.dtype == b.dtype and torch.equal(a, b):
+        return True
+    return difference(a, b, atol)[1] == 0
+
+
+def _scaled(actual: torch.Tensor, expected: torch.Tensor, atol: float) -> float | None:
+    """The c with actual == c * expected to the stored dtype's rounding, if there is one (not 1)."""
+    if expected.numel() < 4 or not actual.is_floating_point():  # a scale fitted to a number or two says nothing
+        return None
+    ae = ee = 0.0
+    for a, e in _chunks(actual, expected):
+        ae, ee = ae + float(a @ e), ee + float(e @ e)
+    if not ee > 0 or not math.isfinite(ae):
+        return None
+    scale = ae / ee
+    eps = torch.finfo(actual.dtype).eps
+    if abs(scale - 1) <= 4 * eps or scale == 0:
+        return None
+    for a, e in _chunks(actual, expected):
+        if not bool(((a - scale * e).abs() <= 2 * eps * (scale * e).abs() + atol + 1e-30).all()):
+            return None
+    return scale
 
 
 def _fingerprint(t: torch.Tensor) -> str:
@@ -197,8 +243,8 @@ def _swapped_parts(actual: torch.Tensor, expected: torch.Tensor, sizes: list[int
     for order in itertools.permutations(range(len(sizes))):
         if list(order) == list(range(len(sizes))):
             continue
-        candidate = torch.cat([parts[k] for k in order], dim=0)
-        if _equal(actual, candidate, atol):
+        stored = torch.split(actual, [sizes[k] for k in order], dim=0)  # views: no copy of the tensor
+        if all(_equal(piece, parts[k], atol) for piece, k in zip(stored, order)):
             if len(sizes) == 2:
                 return f"{names[0]}/{names[1]} halves swapped"
             return "parts in the order " + ", ".join(names[k] for k in order) + " (expected " + ", ".join(names) + ")"
@@ -207,6 +253,8 @@ def _swapped_parts(actual: torch.Tensor, expected: torch.Tensor, sizes: list[int
 
 def likely_cause(actual: torch.Tensor, expected: torch.Tensor, sizes: list[int], atol: float) -> str | None:
     """A likely cause for a differing tensor, when it is one of the usual conversion slips."""
+    if actual.is_floating_point() and not bool(actual.isfinite().all()) and bool(expected.isfinite().all()):
+        return "non-finite values (NaN or inf) where the HF tensor has none"
     if not actual.any() and expected.any():
         return "all zeros (never written?)"
     cause = _swapped_parts(actual, expected, sizes, atol)
@@ -214,20 +262,12 @@ def likely_cause(actual: torch.Tensor, expected: torch.Tensor, sizes: list[int],
         return cause
     if expected.dim() >= 1 and expected.shape[0] % 2 == 0 and expected.shape[0] >= 2 and len(sizes) < 2:
         half = expected.shape[0] // 2
-        if _equal(actual, torch.cat([expected[half:], expected[:half]]), atol):
+        if _equal(actual[:half], expected[half:], atol) and _equal(actual[half:], expected[:half], atol):
             return "halves swapped on dim 0"
-    if expected.dim() == 2 and expected.shape[0] == expected.shape[1] and _equal(actual, expected.T.contiguous(), atol):
+    if expected.dim() == 2 and expected.shape[0] == expected.shape[1] and _equal(actual, expected.T, atol):
         return "transposed"
-    a, e = actual.double().flatten(), expected.double().flatten()
-    denom = float(e @ e)
-    if denom > 0 and e.numel() >= 4:  # a scale fitted to one or two numbers says nothing
-        scale = float(a @ e) / denom
-        eps = torch.finfo(actual.dtype).eps if actual.is_floating_point() else 0.0
-        if abs(scale - 1) > 4 * eps and scale != 0:
-            err = (a - scale * e).abs()
-            if bool((err <= 2 * eps * (scale * e).abs() + atol + 1e-30).all()):
-                return f"scaled by {scale:.6g}"
-    return None
+    scale = _scaled(actual, expected, atol)
+    return None if scale is None else f"scaled by {scale:.6g}"
 
 
 class _Check:
@@ -315,12 +355,19 @@ class _Stored:
         self.dist = dist
         self.keys: dict[str, str] = {}                 # map key -> stored key
         self.experts: dict[str, dict[int, str]] = {}   # stacked map key -> {expert: stored key}
+        self.duplicates: list[tuple[str, str]] = []    # (stored key, the stored key it repeats)
         for key in dist.tensors:
             canonical = _WRAPPERS.sub("", key)
             match = _PER_EXPERT.match(canonical)
             if match:
                 stack = f"{match['stack']}experts.{match['fc']}.weight"
-                self.experts.setdefault(stack, {})[int(match["e"])] = key
+                slot = self.experts.setdefault(stack, {})
+                if int(match["e"]) in slot:
+                    self.duplicates.append((key, slot[int(match["e"])]))
+                else:
+                    slot[int(match["e"])] = key
+            elif canonical in self.keys:
+                self.duplicates.append((key, self.keys[canonical]))
             else:
                 self.keys[canonical] = key
 
@@ -339,14 +386,19 @@ class _Stored:
         first = self.dist.tensors[parts[min(parts)]]
         return (max(parts) + 1,) + tuple(first.shape), first.dtype
 
+    def absent_experts(self, key: str, experts: int) -> list[int]:
+        """Experts of a one-key-per-expert stack that are not stored."""
+        return sorted(set(range(experts)) - set(self.experts.get(key, {}))) if key in self.experts else []
+
     def get(self, key: str) -> torch.Tensor:
         if key in self.keys:
             return self.dist.get(self.keys[key])
         parts = self.experts[key]
-        if sorted(parts) != list(range(max(parts) + 1)):
-            raise CheckpointError(f"{self.dist.path}: experts of {key} saved one per key, but experts "
-                                  f"{sorted(set(range(max(parts) + 1)) - set(parts))[:8]} are missing")
-        return torch.stack([self.dist.get(parts[e]) for e in range(len(parts))])
+        shape, dtype = self.info(key)
+        stack = torch.empty(shape, dtype=dtype)  # filled expert by expert: one expert beside the stack
+        for e in range(shape[0]):
+            stack[e] = self.dist.get(parts[e])
+        return stack
 
 
 def verify_conversion(hf, torch_dist, atol: float = 0.0, progress: bool = True) -> ConversionReport:
@@ -365,14 +417,23 @@ def verify_conversion(hf, torch_dist, atol: float = 0.0, progress: bool = True) 
                                               ("optimizer / training-state tensors", len(state))) if n}
     report.extra = [{"key": k, "shape": list(stored.info(k)[0])} for k in stored.names()
                     if k not in rules and not _is_training_state(k)]
+    report.extra += [{"key": key, "shape": list(dist.tensors[key].shape), "duplicate_of": first}
+                     for key, first in stored.duplicates]
     check = _Check(report, _HF(ckpt), lambda name: shapes[name], atol)
     for key, rule in tqdm(rules.items(), desc="verify-conversion", unit="tensor", disable=not progress):
         if key not in stored:
             report.missing.append({"key": key, "hf": list(rule.hf)})
             continue
+        expected_shape = rule.shape(shapes)
+        absent = stored.absent_experts(key, expected_shape[0]) if rule.join == STACK else []
+        if absent:
+            report.missing.append({"key": key, "hf": list(rule.hf[:4]), "experts": absent})
+            continue
         report.checked += 1
         shape, dtype = stored.info(key)
-        expected_shape = rule.shape(shapes)
+        if not dtype.is_floating_point:
+            report.mistyped.append({"key": key, "dtype": str(dtype).replace("torch.", "")})
+            continue
         if rule.keeps_fp32 and dtype != torch.float32:
             report.narrowed.append({"key": key, "dtype": str(dtype).replace("torch.", "")})
         if shape != expected_shape:

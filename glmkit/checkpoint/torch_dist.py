@@ -30,10 +30,15 @@ import torch
 from glmkit.checkpoint.hf import CheckpointError
 
 TRACKER = "latest_checkpointed_iteration.txt"
-_DCP_MODULES = ("torch.distributed.checkpoint.metadata",)
-_ALLOWED = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-            ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
-            ("collections", "OrderedDict")}
+# Exactly these classes (by module and plain name; a dotted name, which pickle protocol 4 resolves
+# attribute by attribute and which could reach e.g. the module's `os`, is never looked up).
+_DCP_METADATA = "torch.distributed.checkpoint.metadata"
+_ALLOWED = {(_DCP_METADATA, name) for name in (
+    "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+    "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+    ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+    ("collections", "OrderedDict")}
 
 
 # Megatron's planner may leave its own objects in the index's planner data; they are read as inert
@@ -56,7 +61,9 @@ class _IndexUnpickler(pickle.Unpickler):
     objects become inert placeholders)."""
 
     def find_class(self, module, name):
-        if module in _DCP_MODULES or (module, name) in _ALLOWED or \
+        if "." in name:
+            raise pickle.UnpicklingError(f"{module}.{name}: a dotted name is not part of a torch.distributed.checkpoint index")
+        if (module, name) in _ALLOWED or \
                 (module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout))):
             return super().find_class(module, name)
         if module.startswith(_OPAQUE_MODULES):
@@ -122,11 +129,20 @@ class TorchDistCheckpoint:
         self.tensors: dict[str, DistTensor] = {}
         self.blobs: list[str] = []
         for key, meta in entries.items():
+            if not isinstance(key, str):
+                raise CheckpointError(f"{self.path}/.metadata: a key that is not a string ({key!r:.60})")
             if isinstance(meta, TensorStorageMetadata):
-                self.tensors[key] = DistTensor(key, tuple(meta.size), meta.properties.dtype)
+                size, dtype = getattr(meta, "size", None), getattr(getattr(meta, "properties", None), "dtype", None)
+                if not (isinstance(size, (tuple, list)) and all(isinstance(n, int) and n >= 0 for n in size)
+                        and isinstance(dtype, torch.dtype)):
+                    raise CheckpointError(f"{self.path}/.metadata: {key}: no valid size and dtype in the index "
+                                          f"({size!r:.60}, {dtype!r:.30})")
+                self.tensors[key] = DistTensor(key, tuple(size), dtype)
             elif isinstance(meta, BytesStorageMetadata):
                 self.blobs.append(key)
         storage = getattr(self.metadata, "storage_data", None) or {}
+        if not isinstance(storage, dict):
+            raise CheckpointError(f"{self.path}/.metadata: storage_data is a {type(storage).__name__}, not a mapping")
         files = sorted({str(getattr(info, "relative_path", "")) for info in storage.values()} - {""})
         root = self.path.resolve()
         outside = [name for name in files if not (self.path / name).resolve().is_relative_to(root)]

@@ -66,12 +66,10 @@ def _load(path: Path, what: str):
 
 
 def _int_list(value, where: str) -> list[int]:
-    if isinstance(value, torch.Tensor):
-        value = value.tolist()
-    elif hasattr(value, "tolist"):
+    if hasattr(value, "tolist"):  # a tensor or a numpy array
         value = value.tolist()
     if not isinstance(value, (list, tuple)) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        raise ValueError(f"{where}: expected a list of token ids")
+        raise ValueError(f"{where}: expected a flat list of token ids")
     return list(value)
 
 
@@ -131,7 +129,8 @@ def load_rollout_data(path, vocab_size: int | None = None) -> RolloutData:
                                  f"asked for them)" if key == "rollout_log_probs" else f"{where}: no {key!r}")
         tokens = _int_list(s["tokens"], f"{where}.tokens")
         length = s["response_length"]
-        if not isinstance(length, int) or not 0 < length < len(tokens):
+        length = int(length) if hasattr(length, "__index__") and not isinstance(length, bool) else length
+        if not isinstance(length, int) or isinstance(length, bool) or not 0 < length < len(tokens):
             raise ValueError(f"{where}.response_length: {length!r}; expected 1 to {len(tokens) - 1} "
                              f"(the tokens hold prompt + response)")
         if vocab_size is not None and any(not 0 <= t < vocab_size for t in tokens):
@@ -155,16 +154,25 @@ def load_trainer_logprobs(path) -> dict[tuple, list[float]]:
     data = raw.get("rollout_data") if isinstance(raw, dict) else None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: not the framework's train data: expected a dict with 'rollout_data'")
-    if (raw.get("cp_size") or 1) > 1:
-        raise ValueError(f"{path}: written with context parallelism (cp_size {raw['cp_size']}): each rank holds a "
+    cp_size = raw.get("cp_size") or 1
+    if not isinstance(cp_size, int) or isinstance(cp_size, bool) or cp_size < 1:
+        raise ValueError(f"{path}: cp_size {cp_size!r:.40}; expected a positive integer")
+    if cp_size > 1:
+        raise ValueError(f"{path}: written with context parallelism (cp_size {cp_size}): each rank holds a "
                          f"slice of every sample; glmkit reads cp_size 1 train data only")
     for key in ("tokens", "log_probs"):
-        if key not in data:
-            raise ValueError(f"{path}: rollout_data has no {key!r} (keys: {sorted(data)[:12]})")
+        if not isinstance(data.get(key), (list, tuple)):
+            raise ValueError(f"{path}: rollout_data[{key!r}] is missing or not a list (keys: {sorted(map(str, data))[:12]})")
+    if len(data["tokens"]) != len(data["log_probs"]):
+        raise ValueError(f"{path}: rollout_data has {len(data['tokens'])} token sequences but "
+                         f"{len(data['log_probs'])} log-prob lists")
     out = {}
     for k, (tokens, logp) in enumerate(zip(data["tokens"], data["log_probs"])):
         tokens = tuple(_int_list(tokens, f"{path}: rollout_data.tokens[{k}]"))
-        values = logp.tolist() if hasattr(logp, "tolist") else list(logp)
+        where = f"{path}: rollout_data.log_probs[{k}]"
+        values = logp.tolist() if hasattr(logp, "tolist") else logp
+        if not isinstance(values, (list, tuple)) or not all(isinstance(v, (int, float)) for v in values):
+            raise ValueError(f"{where}: expected a flat list (or 1-D tensor) of numbers")
         out[tokens] = [float(v) for v in values]
     return out
 
@@ -239,7 +247,7 @@ class RolloutAttribution:
                  f"  departs (mean |diff| vs the reference > {self.threshold:g}): engine {sides['engine']}, "
                  f"trainer {sides['trainer']}, both {sides['both']}, none {sides['none']}",
                  f"  {'sample':>6} {'engine-ref':>11} {'trainer-ref':>11} {'engine-trainer':>14}  departs"]
-        shown = sorted(self.samples, key=lambda a: -max(a.engine_vs_reference, a.trainer_vs_reference))[:20]
+        shown = sorted(self.samples, key=severity)[:20]
         for a in shown:
             j = a.to_json()
             lines.append(f"  {str(j['index']):>6} {a.engine_vs_reference:11.3e} {a.trainer_vs_reference:11.3e} "
@@ -252,6 +260,12 @@ class RolloutAttribution:
             lines.append(f"  sample {a.to_json()['index']} worst: {worst}")
         lines.append(f"verdict: {self.verdict}")
         return "\n".join(lines)
+
+
+def severity(a: SampleAttribution) -> tuple:
+    """Sort key, worst first: departing samples (a non-finite log-prob departs whatever its mean), then
+    by the larger mean difference against the reference."""
+    return (a.departs == "none", -max(a.engine_vs_reference, a.trainer_vs_reference))
 
 
 def _profile(attributions: list, bins: int = PROFILE_BINS) -> dict:

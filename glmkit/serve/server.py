@@ -239,6 +239,7 @@ class EngineService:
         entries along dim 0. Names: the checkpoint's (`model.language_model.layers.N...`), SGLang's
         (`model.layers.N...`) or the model's own; routed experts by their per-expert checkpoint names."""
         from glmkit.checkpoint.names import LM_HEAD
+        from glmkit.report import json_safe
 
         state = {**self.model.state_dict(keep_vars=True), **dict(self.model.named_parameters())}
         own = name if name == LM_HEAD else name.removeprefix("model.").removeprefix("language_model.")
@@ -249,7 +250,11 @@ class EngineService:
         if rows.numel() > MAX_WEIGHT_ELEMENTS:
             raise BadRequest(f"Get parameter by name failed: {rows.numel()} elements asked for; at most "
                              f"{MAX_WEIGHT_ELEMENTS} per request (lower truncate_size)")
-        return rows.float().cpu().tolist()
+        rows = rows.float().cpu()
+        if bool(rows.isfinite().all()):
+            return rows.tolist()
+        # NaN and inf are not JSON: answered as null, as SGLang's orjson response writes them
+        return json_safe(rows.tolist())
 
     def join_update_group(self, body) -> str:
         """Join the trainer's weights-update process group (the trainer is rank 0)."""
