@@ -315,58 +315,50 @@ def cmd_ckpt_info(args) -> int:
     return 0
 
 
-def cmd_ckpt_verify_conversion(args) -> int:
-    import json
-
-    from glmkit.checkpoint.conversion import verify_conversion
-    from glmkit.outputs import check_file_out
-    from glmkit.report import json_safe, write_atomic
-
-    if args.json:
-        check_file_out(args.json, "--json")
-    if not (args.atol >= 0 and args.atol != float("inf")):  # NaN fails the first test
-        raise ValueError(f"--atol: must be >= 0, got {args.atol}")
-    report = verify_conversion(args.hf, args.torch_dist, atol=args.atol)
-    print(report.text())
-    if args.json:
-        write_atomic(Path(args.json), json.dumps(json_safe(report.to_json()), indent=2))
-    return 0 if report.passed else 1
-
-
-def cmd_ckpt_verify_engine(args) -> int:
+def _finding_command(args, run) -> int:
+    """A check of the user's artefacts: `run()` -> a result with text(), to_json() and verdict; printed,
+    written to --json (strict JSON, atomically), exit 0 on pass and 1 on a finding."""
     import json
 
     from glmkit.outputs import check_file_out
     from glmkit.report import json_safe, write_atomic
-    from glmkit.serve.weights import verify_engine
 
     if args.json:
-        check_file_out(args.json, "--json")
-    report = verify_engine(args.hf, args.url, sample=args.sample, rows=args.rows, seed=args.seed)
-    print(report.text())
-    if args.json:
-        write_atomic(Path(args.json), json.dumps(json_safe(report.to_json()), indent=2))
-    return 0 if report.passed else 1
-
-
-def cmd_rollout_data(args) -> int:
-    import json
-    import math
-
-    from glmkit.outputs import check_file_out
-    from glmkit.parity.rollout_data import attribute_file
-    from glmkit.report import json_safe, write_atomic
-
-    if args.json:
-        check_file_out(args.json, "--json")
-    if not (math.isfinite(args.threshold) and args.threshold > 0 and math.isfinite(args.temperature) and args.temperature > 0):
-        raise ValueError(f"--threshold and --temperature must be finite and > 0, got {args.threshold}, {args.temperature}")
-    result = attribute_file(args.path, args.checkpoint, args.train_data, device=args.device, dtype=_dtype(args.dtype),
-                            backends=_backends(args), threshold=args.threshold, temperature=args.temperature)
+        check_file_out(args.json, "--json")  # before any work
+    result = run()
     print(result.text())
     if args.json:
         write_atomic(Path(args.json), json.dumps(json_safe(result.to_json()), indent=2))
     return 0 if result.verdict == "pass" else 1
+
+
+def cmd_ckpt_verify_conversion(args) -> int:
+    from glmkit.checkpoint.conversion import verify_conversion
+
+    if not (args.atol >= 0 and args.atol != float("inf")):  # NaN fails the first test
+        raise ValueError(f"--atol: must be >= 0, got {args.atol}")
+    return _finding_command(args, lambda: verify_conversion(args.hf, args.torch_dist, atol=args.atol))
+
+
+def cmd_ckpt_verify_engine(args) -> int:
+    from glmkit.serve.weights import verify_engine
+
+    return _finding_command(args, lambda: verify_engine(args.hf, args.url, sample=args.sample, rows=args.rows,
+                                                        seed=args.seed))
+
+
+def cmd_rollout_data(args) -> int:
+    import math
+
+    from glmkit.parity.rollout_data import attribute_file
+
+    if not (math.isfinite(args.threshold) and args.threshold > 0 and math.isfinite(args.temperature)
+            and args.temperature > 0):
+        raise ValueError(f"--threshold and --temperature must be finite and > 0, got {args.threshold}, "
+                         f"{args.temperature}")
+    return _finding_command(args, lambda: attribute_file(
+        args.path, args.checkpoint, args.train_data, device=args.device, dtype=_dtype(args.dtype),
+        backends=_backends(args), threshold=args.threshold, temperature=args.temperature))
 
 
 def _launcher_options(args) -> dict:
