@@ -476,6 +476,14 @@ def mode_text(mode: str) -> str:
     return "end-to-end (errors accumulate through the layers)"
 
 
+def banner_html(passed: bool, headline: str, details) -> str:
+    """A PASS / FAIL banner: the headline large, each detail line under it (all text escaped)."""
+    color = PASS_COLOR if passed else FAIL_COLOR
+    lines = "".join(f"<div style='font-size:0.9em'>{html.escape(line)}</div>" for line in details)
+    return (f"<div style='background:{color};color:white;padding:0.6em 1em;border-radius:4px'>"
+            f"<div style='font-size:1.2em;font-weight:bold'>{html.escape(headline)}</div>{lines}</div>")
+
+
 class VerdictBanner:
     """PASS, or FAIL naming the first divergence against its threshold; the paths and the mode."""
 
@@ -514,10 +522,7 @@ class VerdictBanner:
 
     @property
     def html(self) -> str:
-        color = PASS_COLOR if self.passed else FAIL_COLOR
-        details = "".join(f"<div style='font-size:0.9em'>{html.escape(line)}</div>" for line in self.details)
-        return (f"<div style='background:{color};color:white;padding:0.6em 1em;border-radius:4px'>"
-                f"<div style='font-size:1.2em;font-weight:bold'>{html.escape(self.headline)}</div>{details}</div>")
+        return banner_html(self.passed, self.headline, self.details)
 
     def _repr_html_(self) -> str:
         return self.html

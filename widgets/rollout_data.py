@@ -11,7 +11,7 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from glmkit.parity.rollout_data import severity
-from widgets.parity import FAIL_COLOR, FLOOR, MAX_WIDTH_IN, MIN_FONT_PT, PASS_COLOR, show_in
+from widgets.parity import FAIL_COLOR, FLOOR, MAX_WIDTH_IN, MIN_FONT_PT, banner_html, show_in
 
 SIDE_COLORS = {"engine": "#1f77b4", "trainer": "#d62728"}
 
@@ -46,10 +46,7 @@ class RolloutVerdict:
 
     @property
     def html(self) -> str:
-        color = PASS_COLOR if self.result.verdict == "pass" else FAIL_COLOR
-        lines = "".join(f"<div style='font-size:0.9em'>{html.escape(line)}</div>" for line in self.text.splitlines()[1:])
-        return (f"<div style='background:{color};color:white;padding:0.6em 1em;border-radius:4px'>"
-                f"<b>{html.escape(self.headline)}</b>{lines}</div>")
+        return banner_html(self.result.verdict == "pass", self.headline, self.text.splitlines()[1:])
 
 
 class SampleTable:
