@@ -307,10 +307,9 @@ class _Check:
     def stacked(self, rule: Rule, actual: torch.Tensor) -> bool:
         """Expert by expert; an expert found elsewhere in the stack is named as a permutation."""
         sizes = _part_sizes(rule, self.read_shape)
-        wrong, causes, prints, max_abs, count = [], {}, {}, 0.0, 0
+        wrong, causes, max_abs, count = [], {}, 0.0, 0
         for e in range(rule.experts):
             expected = expert_tensor(rule, e, self.read).to(actual.dtype)
-            prints[_fingerprint(expected)] = e
             if not _equal(actual[e], expected, self.atol):
                 wrong.append(e)
                 causes[e] = likely_cause(actual[e], expected, sizes, self.atol)
@@ -318,6 +317,9 @@ class _Check:
                 max_abs, count = max(max_abs, worst), count + n
         if not wrong:
             return True
+        # where each wrong expert's values came from: fingerprints of every expected expert, made only
+        # now (a second read of the HF experts, on a failure only)
+        prints = {_fingerprint(expert_tensor(rule, e, self.read).to(actual.dtype)): e for e in range(rule.experts)}
         moved = {e: prints.get(_fingerprint(actual[e].contiguous())) for e in wrong}
         moved = {e: src for e, src in moved.items() if src is not None and src != e}
         if moved:
