@@ -56,9 +56,104 @@ def capture_path(path: str, checkpoint, sequences, prompt_lengths, dtype=torch.f
             raise ValueError(f"{path}: a server cannot replay DSA selections; use --replay-topk off")
         return capture_sglang(path[len(SGLANG_PREFIX):], sequences, open_checkpoint(checkpoint).config, **meta)
     if Path(path).is_dir():
-        return load_capture(path)
+        return load_dir(path).capture
     raise ValueError(f"unknown path {path!r}; allowed: {', '.join(LIVE_PATHS)}, sglang:http://HOST:PORT or a "
                      f"capture directory")
+
+
+def load_dir(path):
+    """A directory path: a framework dump (SGLang's dumper, engine or trainer) -> FrameworkDump; a glmkit
+    capture -> the same shape (no gradients)."""
+    from glmkit.parity.framework_dump import FrameworkDump, is_framework_dump, read_framework_dump
+
+    if is_framework_dump(path):
+        return read_framework_dump(path)
+    capture = load_capture(path)
+    empty = Capture(capture.input_ids, capture.cu_seqlens, manifest=dict(capture.manifest))
+    return FrameworkDump(capture, empty, {}, capture.manifest.get("path", "capture"), [], [])
+
+
+THIRD_PATHS = ("reference", "train", "none")
+
+
+def dump_parity(checkpoint, path_a: str, path_b: str, third: str = "reference", dtype: str = "float32",
+                device: str = "cpu", backends=None, thresholds: dict | None = None):
+    """Two dump directories (framework dumps or captures) lined up token by token and compared, and, with
+    a checkpoint, each compared with a third path run on the same tokens: which side departs first, where,
+    and whether index differences are ties (candidate scores recomputed from the checkpoint on each
+    side's own inputs where a dump lacks them). Gradients (a forward-backward phase) are compared the
+    same way, in the backward order. -> (ParityResult with .departure / .gradients, capture_a, capture_b)."""
+    from glmkit.parity.departure import align, departure, parameter_capture, rescore, restrict, sequences_of
+
+    if third not in THIRD_PATHS:
+        raise ValueError(f"third path {third!r}; allowed: {', '.join(THIRD_PATHS)}")
+    da, db = load_dir(path_a), load_dir(path_b)
+    for d, given in ((da, path_a), (db, path_b)):
+        d.capture.manifest["path"] = f"{d.side} {Path(given).name}" if d.capture.manifest.get("source") else             d.capture.manifest.get("path", given)
+    if da.capture.manifest["path"] == db.capture.manifest["path"]:
+        da.capture.manifest["path"], db.capture.manifest["path"] = f"A {path_a}", f"B {path_b}"
+    cap_a, cap_b, notes = align(da.capture, db.capture)
+    sequences = sequences_of(cap_a)
+    model = None
+    if checkpoint is not None and third != "none":
+        from glmkit.model import load_model
+
+        model = load_model(checkpoint, getattr(torch, dtype), device)
+        for cap in (cap_a, cap_b):
+            notes += [f"{cap.manifest['path']}: {n}" for n in rescore(cap, model)]
+    result = compare(cap_a, cap_b, dtype, thresholds)
+    result.warnings = notes + result.warnings
+    for d in (da, db):
+        if d.not_read:
+            result.warnings.append(f"{d.capture.manifest['path']}: names not compared (no glmkit site): "
+                                   f"{', '.join(d.not_read)}")
+        if d.incomplete:
+            result.warnings.append(f"{d.capture.manifest['path']}: sites not dumped for every token, skipped: "
+                                   f"{', '.join(d.incomplete)}")
+    if model is not None:
+        ref = capture_path(third, checkpoint, sequences, [max(1, len(s) // 2) for s in sequences],
+                           getattr(torch, dtype), device, backends)
+        if third == "train":
+            ref.manifest["path"] = "train"
+        rescore(ref, model)
+        a_ref, b_ref = compare(cap_a, ref, dtype, thresholds), compare(cap_b, ref, dtype, thresholds)
+        result.departure = departure(a_ref, b_ref, result)
+        result.versus_third = {"a": a_ref, "b": b_ref}
+    ga, gb = align(da.grads, db.grads)[:2] if da.grads.tensors and db.grads.tensors else (None, None)
+    if ga is not None:
+        ga = restrict(ga, sequences) if sequences_of(ga) != sequences else ga
+        gb = restrict(gb, sequences) if sequences_of(gb) != sequences else gb
+        result.gradients = compare(ga, gb, dtype, thresholds, backward=True, skip_mismatched=True)
+        result.gradients.warnings.insert(0, "loss: the framework's own training loss of the dumped step (a "
+                                            "forward-backward phase); both dumps must come from the same loss")
+    if da.param_grads and db.param_grads:
+        pa = parameter_capture(da.param_grads, {"path": cap_a.manifest["path"] + " parameter gradients"})
+        pb = parameter_capture(db.param_grads, {"path": cap_b.manifest["path"] + " parameter gradients"})
+        result.parameter_gradients = compare(pa, pb, dtype, thresholds, backward=True, skip_mismatched=True)
+    return result, cap_a, cap_b
+
+
+def gradient_parity(checkpoint, paths=("reference", "train"), seq_len: int = 64, batch: int = 2,
+                    dtype: str = "float32", device: str = "cpu", backends=None, thresholds: dict | None = None,
+                    seed: int = 0):
+    """Gradients of two live paths (reference, train) for glmkit.parity.departure.GRADIENT_LOSS on the same
+    seeded input, per site and per parameter, first divergence in the backward order.
+    -> (activation ParityResult, parameter ParityResult)."""
+    from glmkit.checkpoint import open_checkpoint
+    from glmkit.parity.departure import capture_gradients, parameter_capture
+
+    if sorted(paths) != ["reference", "train"]:
+        raise ValueError(f"gradients compare the paths reference and train; got {','.join(paths)}")
+    sequences, _ = make_inputs(open_checkpoint(checkpoint).config.vocab_size, batch, seq_len, seed)
+    grads = {p: capture_gradients(p, checkpoint, sequences, getattr(torch, dtype), device, backends) for p in paths}
+    (ga, pa), (gb, pb) = grads[paths[0]], grads[paths[1]]
+    acts = compare(ga, gb, dtype, thresholds, backward=True, skip_mismatched=True)
+    params = compare(parameter_capture(pa, {"path": f"{paths[0]} parameter gradients"}),
+                     parameter_capture(pb, {"path": f"{paths[1]} parameter gradients"}), dtype, thresholds,
+                     backward=True, skip_mismatched=True)
+    for r in (acts, params):
+        r.warnings.insert(0, f"loss: {ga.manifest['loss']}")
+    return acts, params
 
 
 def selections_of(capture: Capture) -> dict:
@@ -69,7 +164,7 @@ def selections_of(capture: Capture) -> dict:
 def parity(checkpoint, paths=("reference", "train"), checkpoint_b=None, seq_len: int = 64, batch: int = 2,
            dtype: str = "float32", device: str = "cpu", backends: Backends | str | None = None, streaming: bool = False,
            thresholds: dict | None = None, seed: int = 0, vocab_size: int | None = None, replay_topk: str = "auto",
-           replay_from: dict | None = None, replay_from_name: str = "a file"):
+           replay_from: dict | None = None, replay_from_name: str = "a file", third: str = "reference"):
     """Capture two paths on the same seeded input and compare them.
     -> (ParityResult, capture_a, capture_b). A dump directory as a path fixes the input to the dump's.
 
@@ -77,15 +172,21 @@ def parity(checkpoint, paths=("reference", "train"), checkpoint_b=None, seq_len:
     so sites downstream of a selection difference compare like for like; "auto" does so only when
     path A is the reference or a capture and the first comparison found rows that differ by ties;
     "off" never. `replay_from` {layer: [T, W]} (e.g. a framework's per-token indexer_topk) is
-    replayed into both live paths instead."""
+    replayed into both live paths instead. Two dump directories go to `dump_parity` (`third`: the path
+    each is compared with, run on the checkpoint)."""
     if replay_topk not in REPLAY_MODES:
         raise ValueError(f"replay_topk={replay_topk!r}; allowed: {', '.join(REPLAY_MODES)}")
     from glmkit.checkpoint import open_checkpoint
 
     a, b = paths
+    if all(p not in LIVE_PATHS and not p.startswith(SGLANG_PREFIX) and Path(p).is_dir() for p in paths):
+        if streaming or replay_topk == "on" or replay_from is not None or checkpoint_b is not None:
+            raise ValueError("two dump directories are compared as they were dumped: --streaming, --replay-topk on, "
+                             "--replay-topk-from and --checkpoint-b need a live path")
+        return dump_parity(checkpoint, a, b, third, dtype, device, backends, thresholds)
     if checkpoint_b is not None:  # checked (safetensors, names, shapes, files inside it) before path A runs
         open_checkpoint(checkpoint_b)
-    dumps = [load_capture(p) for p in paths if p not in LIVE_PATHS and not p.startswith(SGLANG_PREFIX)
+    dumps = [load_dir(p).capture for p in paths if p not in LIVE_PATHS and not p.startswith(SGLANG_PREFIX)
              and Path(p).is_dir()]
     if dumps:
         c = dumps[0]

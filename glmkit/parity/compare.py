@@ -77,6 +77,10 @@ class ParityResult:
     skipped_sites: list
     warnings: list = field(default_factory=list)
     topk_replay: str | None = None  # where path B's DSA selections came from, when replayed
+    departure: object | None = None  # glmkit.parity.departure.Departure, when a third path was compared
+    versus_third: dict | None = None  # {"a": ParityResult, "b": ParityResult} each side against the third path
+    gradients: "ParityResult | None" = None             # activation gradients (backward order)
+    parameter_gradients: "ParityResult | None" = None   # parameter gradients (backward order)
 
     @property
     def verdict(self) -> str:
@@ -92,6 +96,10 @@ class ParityResult:
             "thresholds": self.thresholds, "skipped_sites": self.skipped_sites,
             "warnings": self.warnings, "topk_replay": self.topk_replay,
             "sites": [s.public() for s in self.sites],
+            "departure": None if self.departure is None else self.departure.to_json(),
+            "versus_third": None if not self.versus_third else {k: v.to_json() for k, v in self.versus_third.items()},
+            "gradients": None if self.gradients is None else self.gradients.to_json(),
+            "parameter_gradients": None if self.parameter_gradients is None else self.parameter_gradients.to_json(),
         }
 
 
@@ -100,6 +108,13 @@ def _order(key):
     if layer is None:
         return (float("inf"), FINAL.index(site) if site in FINAL else len(FINAL))
     return (layer, PER_LAYER.index(site) if site in PER_LAYER else len(PER_LAYER))
+
+
+def site_order(key, backward: bool = False):
+    """Sort key of a (layer, site): where it occurs in the forward, or (backward) where its gradient is
+    made: the loss end first."""
+    layer, index = _order(key)
+    return (-layer, -index) if backward else (layer, index)
 
 
 def compare_values(a: torch.Tensor, b: torch.Tensor, layer, site, threshold: float) -> SiteResult:
@@ -202,16 +217,23 @@ def logprob_abs_diff(a: Capture, b: Capture, response_starts=None, worst: int = 
 
 
 def compare(a: Capture, b: Capture, dtype: str = "float32", thresholds: dict | None = None,
-            response_starts=None) -> ParityResult:
-    """Compare every site both captures hold. Raises ValueError when they ran on different inputs."""
+            response_starts=None, backward: bool = False, skip_mismatched: bool = False) -> ParityResult:
+    """Compare every site both captures hold. Raises ValueError when they ran on different inputs.
+    `backward`: gradients, ordered (and the first divergence named) from the loss end. `skip_mismatched`:
+    a site whose shapes differ is listed as skipped (with both shapes) rather than refused."""
     if a.input_sha256 != b.input_sha256:
         raise ValueError(f"captures ran on different inputs (input sha256 {a.input_sha256[:12]} vs "
                          f"{b.input_sha256[:12]}, lengths {a.lengths} vs {b.lengths})")
     if dtype not in THRESHOLDS:
         raise ValueError(f"no default thresholds for dtype {dtype!r}; allowed: {', '.join(THRESHOLDS)}")
     limits = dict(THRESHOLDS[dtype], **(thresholds or {}))
-    common = sorted(set(a.tensors) & set(b.tensors), key=_order)
+    common = sorted(set(a.tensors) & set(b.tensors), key=lambda k: site_order(k, backward))
     skipped = sorted(f"{k[0]}/{k[1]}" for k in set(a.tensors) ^ set(b.tensors))
+    if skip_mismatched:
+        mismatched = [k for k in common if a.tensors[k].shape != b.tensors[k].shape]
+        skipped += [f"{k[0]}/{k[1]} (shapes {list(a.tensors[k].shape)} vs {list(b.tensors[k].shape)})"
+                    for k in mismatched]
+        common = [k for k in common if k not in mismatched]
     results = []
     tie = TIE_TOLERANCE[dtype]
     kpools = {c.manifest.get("index_kpool") for c in (a, b)} - {None}

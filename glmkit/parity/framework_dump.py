@@ -70,24 +70,32 @@ _INT_TAGS = ("step", "rank", "dump_index", "layer_id")
 
 
 def is_framework_dump(path) -> bool:
-    """A folder of dumper files (`*.pt` whose names carry `name=`), directly or in exactly one leaf."""
-    try:
-        return bool(_leaf(Path(path), quiet=True))
-    except ValueError:
-        return False
+    """A folder holding dumper files (`step=...___name=....pt`), directly or below it."""
+    path = Path(path)
+    return path.is_dir() and next(path.rglob("step=*.pt"), None) is not None
 
 
-def _leaf(path: Path, quiet: bool = False) -> Path | None:
-    if any(f.name.startswith("step=") for f in path.glob("*.pt")):
-        return path
+def dump_leaves(path) -> list[Path]:
+    """The dump folders a path stands for: itself when it holds dumper files; else the one folder below
+    it that does; else every `engine_<i>` of one engine side (the framework gives each engine its own
+    folder: together they are the engine side). Anything else (a whole `--dumper-dir` with engine and
+    trainer phases) is refused, naming the folders to choose from."""
+    path = Path(path)
+    if not path.is_dir():
+        raise ValueError(f"{path}: not a directory")
+    if next(path.glob("step=*.pt"), None) is not None:
+        return [path]
     leaves = sorted({f.parent for f in path.rglob("step=*.pt")})
+    if not leaves:
+        raise ValueError(f"{path}: no dumper files (step=...___name=....pt) in it")
     if len(leaves) == 1:
-        return leaves[0]
-    if quiet and not leaves:
-        return None
-    raise ValueError(f"{path}: " + ("no dumper files (step=...___name=....pt) in it" if not leaves else
-                                    f"{len(leaves)} dump folders in it ({', '.join(str(p.relative_to(path)) for p in leaves[:4])}"
-                                    f"{', ...' if len(leaves) > 4 else ''}); give one of them"))
+        return leaves
+    engines = [p for p in leaves if re.fullmatch(r"engine_\d+", p.name)]
+    if len(engines) == len(leaves) and len({p.parent for p in engines}) == 1:
+        return engines
+    shown = ", ".join(str(p.relative_to(path)) for p in leaves[:6]) + (", ..." if len(leaves) > 6 else "")
+    raise ValueError(f"{path}: {len(leaves)} dump folders in it ({shown}); give one side: an engines/ folder or "
+                     f"one trainer phase folder such as fwd_only/rollout_0")
 
 
 def parse_name(stem: str) -> dict:
@@ -173,70 +181,104 @@ def _load(file: Path) -> _Record:
     return _Record(tags, meta, data["value"], file)
 
 
+def _same(values) -> bool:
+    first = values[0]
+    if not isinstance(first, torch.Tensor):
+        return all(v == first for v in values)
+    return all(isinstance(v, torch.Tensor) and v.shape == first.shape and
+               torch.equal(v.to(first.dtype), first) for v in values[1:])
+
+
 def _unshard(records: list, where: str) -> torch.Tensor:
-    """One logical tensor from its ranks' pieces, as its dims say (rightmost shard axis first)."""
+    """One logical tensor from its ranks' pieces, as its dims say (rightmost shard axis first), with its
+    token dim first: `t ...`, or `s b ...` / `b s ...` flattened batch-major (row = b * s_len + s)."""
     dims_text = records[0].meta.get("dims")
-    if len(records) == 1 and not dims_text:
-        return records[0].value
-    if not dims_text:
-        raise ValueError(f"{where}: {len(records)} ranks dumped it and it has no dims to say how they combine")
+    if not dims_text:  # the batch fields, or a site dumped without dims: every rank must hold the same
+        values = [r.value for r in records]
+        nonempty = [v for v in values if not isinstance(v, torch.Tensor) or v.numel() > 0] or values
+        if not _same(nonempty):
+            raise ValueError(f"{where}: {len(records)} ranks dumped different values and it has no dims to say "
+                             f"how they combine (dump it with dims=...)")
+        return nonempty[0]
     dims, replicated, dp_alias = parse_dims(dims_text)
     pieces = [(_parallel(r.meta), r.value) for r in records]
+    for r, (_, v) in zip(records, pieces):
+        if not isinstance(v, torch.Tensor):
+            raise ValueError(f"{r.file}: holds a {type(v).__name__}, not a tensor")
     dp = dp_alias or "dp"
     if any(p.get(dp, (0, 1))[1] > 1 for p, _ in pieces):  # the dumper's rule: one data-parallel rank holds it
         full = [(p, v) for p, v in pieces if v.numel() > 0]
         ranks = {p[dp][0] for p, _ in full}
         if len(ranks) > 1:
-            raise ValueError(f"{where}: non-empty on data-parallel ranks {sorted(ranks)}; expected exactly one")
-        pieces = full
+            raise ValueError(f"{where}: non-empty on {dp} ranks {sorted(ranks)}; expected exactly one")
+        pieces = full or pieces[:1]
+    named = {axis for dim in dims for axis, _ in dim.shards} | replicated
     for axis in replicated:
         first = [(p, v) for p, v in pieces if p.get(axis, (0, 1))[0] == 0]
         for p, v in pieces:
-            twin = next(w for q, w in first if all(q.get(a) == p.get(a) for a in q if a != axis))
-            if v.shape != twin.shape or not torch.allclose(v.float(), twin.float(), atol=1e-6, rtol=0):
-                raise ValueError(f"{where}: declared {axis}:replicated but {axis} rank {p[axis][0]} differs from rank 0")
+            twin = next((w for q, w in first if all(q.get(a) == p.get(a) for a in named - {axis})), None)
+            if twin is None or v.shape != twin.shape or not torch.allclose(v.float(), twin.float(), atol=1e-6,
+                                                                           rtol=1e-5):
+                raise ValueError(f"{where}: declared {axis}:replicated but {axis} rank {p.get(axis, (0,))[0]} "
+                                 f"differs from rank 0")
         pieces = first
     if len(dims) != pieces[0][1].dim():
         raise ValueError(f"{where}: dims {dims_text!r} name {len(dims)} dims; the tensor has {pieces[0][1].dim()} "
                          f"{list(pieces[0][1].shape)}")
     for d, dim in enumerate(dims):
         for axis, qual in reversed(dim.shards):
-            if axis == "cp" or "zigzag" in qual:
-                size = pieces[0][0].get(axis, (0, 1))[1]
-                if size > 1 or "zigzag" in qual:
-                    raise ValueError(f"{where}: context parallelism ({axis}:{qual}) is not supported; dump with cp 1")
-            if pieces[0][0].get(axis, (0, 1))[1] <= 1:
+            size = pieces[0][0].get(axis, (0, 1))[1]
+            if (axis == "cp" and size > 1) or ("zigzag" in qual and size > 1):
+                raise ValueError(f"{where}: context parallelism ({axis}:{qual}, size {size}) is not read by glmkit; "
+                                 f"dump with context parallel size 1")
+            if size <= 1:
                 continue
             groups = defaultdict(list)
             for p, v in pieces:
-                groups[tuple(sorted((a, r) for a, (r, _) in p.items() if a != axis))].append((p, v))
+                # grouped by the other axes the dims name: an axis it does not name moves with this one
+                # (SGLang's attn_tp with tp) or holds copies, checked equal at the end
+                groups[tuple(sorted((a, r) for a, (r, _) in p.items() if a != axis and a in named))].append((p, v))
             merged = []
             for group in groups.values():
                 group.sort(key=lambda pv: pv[0][axis][0])
+                if [pv[0][axis][0] for pv in group] != list(range(size)):
+                    raise ValueError(f"{where}: {axis} ranks {[pv[0][axis][0] for pv in group]} dumped it; "
+                                     f"{axis} size is {size}: a rank's file is missing")
                 values = [v for _, v in group]
-                combined = torch.stack(values).sum(0) if qual == "partial" else torch.cat(values, dim=d)
+                combined = torch.stack(values).sum(0) if "partial" in qual else torch.cat(values, dim=d)
                 merged.append(({a: rv for a, rv in group[0][0].items() if a != axis}, combined))
             pieces = merged
-    active = {a for p, _ in pieces for a, (_, size) in p.items() if size > 1} - {dp, "pp", "dp"}
-    if len(pieces) > 1:
-        raise ValueError(f"{where}: ranks on axes {sorted(active)} are neither sharded nor declared replicated in "
-                         f"dims {dims_text!r}")
+    if len(pieces) > 1 and not _same([v for _, v in pieces]):
+        active = sorted({a for p, _ in pieces for a, (_, size) in p.items() if size > 1} - {dp})
+        raise ValueError(f"{where}: ranks on axes {active} hold different values that dims {dims_text!r} neither "
+                         f"shards nor declares replicated")
     value = pieces[0][1]
-    # squeeze singleton dims ("1", a batch of 1) so rows are tokens first
-    keep = [i for i, dim in enumerate(dims) if not (dim.name == "1" or (dim.name == "b" and value.shape[i] == 1))]
-    value = value.reshape([value.shape[i] for i in keep])
-    token_dim = next((k for k, i in enumerate(keep) if dims[i].name in ("t", "s")), 0)
-    return value.movedim(token_dim, 0)
+    names = [dim.name for dim in dims]
+    keep = [i for i, name in enumerate(names) if name != "1"]
+    value, names = value.reshape([value.shape[i] for i in keep]), [names[i] for i in keep]
+    if "t" in names:
+        return value.movedim(names.index("t"), 0)
+    if "s" in names and "b" in names:  # sequence-first or batch-first: rows batch-major
+        value = value.movedim(names.index("b"), 0)
+        s_at = [n for n in names if n != "b"].index("s") + 1
+        return value.movedim(s_at, 1).flatten(0, 1)
+    if "s" in names:
+        return value.movedim(names.index("s"), 0)
+    return value
 
 
-def _rows_of_step(fields: dict, step: int, where: str) -> list[tuple]:
-    """(sequence id, position) of each token row of one step."""
+# --- rows: which (sequence, position) each token row of a step is -------------------------------------------
+
+def _rows_of_step(fields: dict, step: int, where: str) -> tuple[list, list]:
+    """-> ((sequence id, position) of each token row, packed start of each row's sequence in the step)."""
     ids = fields.get("input_ids")
     if ids is None:
-        raise ValueError(f"{where}: step {step} has no input_ids dump (the dumper's batch fields: run with its "
-                         f"default 'core' non-intrusive mode)")
-    n = ids.reshape(-1).numel()
-    if "seq_lens" in fields:  # engine: requests in batch order, each a run of positions
+        raise ValueError(f"{where}: step {step} has no input_ids dump (the dumper's batch fields: run with "
+                         f"non_intrusive_mode=core, its default)")
+    if not isinstance(ids, torch.Tensor):
+        raise ValueError(f"{where}: step {step}: input_ids is a {type(ids).__name__}, not a tensor")
+    n = ids.numel()
+    if "seq_lens" in fields:  # engine: requests in batch order, each a run of consecutive positions
         positions = fields.get("positions")
         if positions is None:
             raise ValueError(f"{where}: step {step} has seq_lens but no positions")
@@ -244,101 +286,194 @@ def _rows_of_step(fields: dict, step: int, where: str) -> list[tuple]:
         names = fields.get("rids")
         if not isinstance(names, (list, tuple)) or len(names) != len(seq_lens):
             pool = fields.get("req_pool_indices")
-            names = [f"slot{int(x)}" for x in pool.reshape(-1).tolist()] if pool is not None else \
-                [f"step{step}-req{j}" for j in range(len(seq_lens))]
-        rows, r = [], 0
+            if pool is None:
+                raise ValueError(f"{where}: step {step}: no rids and no req_pool_indices to tell requests apart")
+            names = [f"slot{int(x)}" for x in pool.reshape(-1).tolist()]
+        rows, starts, r = [], [], 0
         for name, total in zip(names, seq_lens):
             if r >= n:
                 break
-            length = total - positions[r]
-            rows += [(str(name), positions[r] + k) for k in range(length)]
+            length = int(total) - int(positions[r])
+            if length <= 0 or r + length > n:
+                raise ValueError(f"{where}: step {step}: request {name} has seq_len {total} and first position "
+                                 f"{positions[r]}; the step has {n} tokens")
+            rows += [(str(name), int(positions[r]) + k) for k in range(length)]
+            starts += [r] * length
             r += length
         if r != n:
             raise ValueError(f"{where}: step {step}: seq_lens {seq_lens} and positions account for {r} of {n} tokens")
-        return rows
+        return rows, starts
+    if ids.dim() == 2 and "cu_seqlens_q" not in fields:  # trainer, BSHD: one sequence per batch row
+        b, s = ids.shape
+        return [(f"step{step}-seq{j}", p) for j in range(b) for p in range(s)], [j * s for j in range(b) for _ in range(s)]
     cu = fields.get("cu_seqlens_q")
-    if cu is not None:  # trainer: packed sequences
-        bounds = cu.reshape(-1).tolist()
-        return [(f"step{step}-seq{j}", pos) for j in range(len(bounds) - 1) for pos in range(bounds[j + 1] - bounds[j])]
-    return [(f"step{step}-seq0", pos) for pos in range(n)]
+    bounds = cu.reshape(-1).tolist() if cu is not None else [0, n]
+    if bounds[0] != 0 or bounds[-1] > n or any(b > c for b, c in zip(bounds, bounds[1:])):
+        raise ValueError(f"{where}: step {step}: cu_seqlens_q {bounds} does not fit its {n} tokens")
+    rows = [(f"step{step}-seq{j}", p) for j in range(len(bounds) - 1) for p in range(bounds[j + 1] - bounds[j])]
+    starts = [bounds[j] for j in range(len(bounds) - 1) for _ in range(bounds[j + 1] - bounds[j])]
+    # rows past the last sequence are the micro-batch's padding
+    return rows + [None] * (n - bounds[-1]), starts + [None] * (n - bounds[-1])
 
 
-def read_framework_dump(path) -> Capture:
-    """A dumper folder -> a Capture (sequences in order of first appearance, rows by position)."""
+# --- the dump as a capture ------------------------------------------------------------------------------------
+
+@dataclass
+class FrameworkDump:
+    """A dump read: `capture` (activations), `grads` (activation gradients `grad__<name>` as a capture on the
+    same rows), `param_grads` {parameter name: gradient} (`grad__param__<name>`), and what was not used."""
+
+    capture: Capture
+    grads: Capture
+    param_grads: dict
+    side: str                       # "engine" or "trainer"
+    not_read: list
+    incomplete: list
+
+    @property
+    def manifest(self) -> dict:
+        return self.capture.manifest
+
+
+def _site_of(name: str, layer):
+    """dump name (and layer) -> (layer, glmkit site), or None."""
+    if name == LAYER_INPUT:
+        return None if layer is None or layer == 0 else (layer - 1, "streams_after_ffn")
+    site = DUMP_SITES.get(name, name if name in set(DUMP_SITES.values()) else None)
+    if site is None:
+        return None
+    return (None if site in ("final_hidden", "logits") else layer), site
+
+
+def read_framework_dump(path) -> FrameworkDump:
+    """A dump folder (or an engines/ folder of several engines) -> FrameworkDump. Sequences are ordered by
+    first appearance; each token row is placed by (request or packed sequence, position)."""
+    from glmkit.parity.capture import canonical
+
     root = Path(path)
-    leaf = _leaf(root)
-    records = [_load(f) for f in sorted(leaf.glob("*.pt"))]
-    if not records:
-        raise ValueError(f"{leaf}: no dumper files")
-    grads = [r for r in records if str(r.tags["name"]).startswith("grad__")]
+    leaves = dump_leaves(root)
+    records = []
+    for leaf in leaves:
+        files = sorted(leaf.glob("*.pt"))
+        records += [_load(f) for f in files if f.name.startswith("step=")]
+    engine_tag = {leaf: f"{leaf.name}/" if len(leaves) > 1 else "" for leaf in leaves}
     fields, sites = defaultdict(dict), defaultdict(list)
-    unknown = set()
+    not_read, side = set(), None
     for r in records:
-        if r in grads:
-            continue
+        if r.tags.get("recompute_status") == "recompute":
+            continue  # activation recompute dumps each site again: the original is kept
+        leaf = r.file.parent
+        step = (engine_tag[leaf], r.tags["step"])
         name = str(r.tags["name"])
         if name in ENGINE_FIELDS + TRAINER_FIELDS:
-            if "layer_id" not in r.tags:  # the root's copy (layers receive some of these too)
-                fields[r.tags["step"]].setdefault(name, []).append(r)
+            side = side or ("engine" if name in ENGINE_FIELDS[2:] or "sglang_parallel_info" in r.meta else None)
+            if name in TRAINER_FIELDS[2:] or "megatron_parallel_info" in r.meta:
+                side = "trainer"
+            if "layer_id" not in r.tags:  # the root's copy (modules inside layers are given some of these too)
+                fields[step].setdefault(name, []).append(r)
             continue
-        site = DUMP_SITES.get(name, name if name in set(DUMP_SITES.values()) else None)
-        if site is None:
-            unknown.add(name)
+        kind = "value"
+        if name.startswith("grad__param__"):
+            kind, key = "param_grad", name[len("grad__param__"):]
+        elif name.startswith("grad__"):
+            kind, name = "grad", name[len("grad__"):]
+        elif name.startswith("param__"):
+            not_read.add("param__* (parameter values)")
             continue
         extra = tuple(sorted((k, str(v)) for k, v in r.tags.items()
                              if k not in ("step", "rank", "dump_index", "name", "layer_id", "recompute_status")))
-        sites[(r.tags.get("layer_id"), site, extra, r.tags["step"])].append(r)
-    steps = sorted({key[3] for key in sites} | set(fields))
-    batch = {}
-    for step in steps:
-        merged = {}
-        for name, recs in fields.get(step, {}).items():
-            merged[name] = recs[0].value if name == "rids" else _unshard(recs, f"{leaf}: {name} step {step}")
-        batch[step] = merged
-    rows_of = {step: _rows_of_step(batch[step], step, str(leaf)) for step in steps if batch.get(step)}
-    # tokens of every sequence, by position
-    tokens = defaultdict(dict)
-    order = []
+        if kind == "param_grad":
+            sites[("param_grad", key, extra)].append(r)
+            continue
+        target = _site_of(name, r.tags.get("layer_id"))
+        if target is None or extra:
+            not_read.add(name if not extra else f"{name} (tags {dict(extra)})")
+            continue
+        sites[(kind, target, step)].append(r)
+    where = str(root)
+    batch = {step: {name: _unshard(recs, f"{where}: {name} at step {step[1]}") for name, recs in f.items()}
+             for step, f in fields.items()}
+    rows_of = {}
+    for step, f in batch.items():
+        if "input_ids" in f:
+            rows, starts = _rows_of_step(f, step[1], f"{where} {step[0]}".strip())
+            rows_of[step] = ([None if r is None else (step[0] + r[0], r[1]) for r in rows], starts)
+    tokens, order = defaultdict(dict), []
     for step in sorted(rows_of):
-        ids = batch[step]["input_ids"].reshape(-1).tolist()
-        for (seq, pos), token in zip(rows_of[step], ids):
+        for row, token in zip(rows_of[step][0], batch[step]["input_ids"].reshape(-1).tolist()):
+            if row is None:
+                continue
+            seq, pos = row
             if seq not in tokens:
                 order.append(seq)
-            tokens[seq][pos] = int(token)
+            if tokens[seq].setdefault(pos, int(token)) != int(token):
+                raise ValueError(f"{where}: request {seq} position {pos} holds token {tokens[seq][pos]} at one "
+                                 f"step and {token} at another")
+    if not order:
+        raise ValueError(f"{where}: no step with input_ids: the dumper's batch fields are needed to place rows "
+                         f"(non_intrusive_mode=core)")
     sequences = []
     for seq in order:
-        length = len(tokens[seq])
-        if sorted(tokens[seq]) != list(range(length)):
-            raise ValueError(f"{leaf}: sequence {seq} lacks positions below {max(tokens[seq])} (a cached prefix is "
-                             f"not dumped: turn the prefix cache off for a parity dump)")
+        length = max(tokens[seq]) + 1
+        if len(tokens[seq]) != length:
+            missing = min(set(range(length)) - set(tokens[seq]))
+            raise ValueError(f"{where}: request {seq} has no token at position {missing} (a cached prefix is not "
+                             f"dumped: turn the prefix cache off for a parity dump)")
         sequences.append([tokens[seq][p] for p in range(length)])
     starts, total = {}, 0
     for seq, s in zip(order, sequences):
         starts[seq], total = total, total + len(s)
     cu = torch.tensor([0] + [len(s) for s in sequences]).cumsum(0)
-    ids = torch.tensor([t for s in sequences for t in s])
-    capture = Capture(ids, cu, manifest={"path": f"dump:{leaf}", "input_sha256": input_hash(ids, cu),
-                                         "lengths": [len(s) for s in sequences], "source": "framework dumper"})
-    by_site = defaultdict(dict)
-    for (layer, site, extra, step), recs in sites.items():
-        if extra:
-            unknown.add(f"{site} with tags {dict(extra)}")
+    ids = torch.tensor([t for s in sequences for t in s], dtype=torch.long)
+    side = side or "engine"
+    manifest = {"path": f"{side} dump {root.name}", "source": "framework dumper", "side": side,
+                "dump": str(root), "mode": "end-to-end"}
+    placed = {"value": defaultdict(dict), "grad": defaultdict(dict)}
+    param_grads = {}
+    for key, recs in sites.items():
+        if key[0] == "param_grad":
+            ranks = {r.tags["rank"] for r in recs}
+            try:
+                param_grads[key[1]] = _unshard(recs, f"{where}: grad__param__{key[1]}")
+            except ValueError:  # sharded without dims: each rank's piece compared on its own
+                for r in recs:
+                    param_grads[f"{key[1]} (rank {r.tags['rank']})"] = r.value
+            del ranks
             continue
-        value = _unshard(recs, f"{leaf}: {site} layer {layer} step {step}")
-        rows = rows_of.get(step)
+        kind, (layer, site), step = key
+        label = f"{'grad of ' if kind == 'grad' else ''}{site} layer {layer} step {step[1]}"
+        by_rank = defaultdict(list)
+        for r in recs:
+            by_rank[r.tags["rank"]].append(r)
+        if any(len(v) > 1 for v in by_rank.values()):
+            raise ValueError(f"{where}: {label} dumped {max(len(v) for v in by_rank.values())} times by one rank "
+                             f"in one step; dump each site once per layer and step")
+        value = _unshard(recs, f"{where}: {label}")
+        rows, row_starts = rows_of.get(step, (None, None))
         if rows is None or value.shape[0] != len(rows):
-            raise ValueError(f"{leaf}: {site} layer {layer} step {step} has {value.shape[0]} token rows; the step's "
-                             f"batch fields give {len(rows) if rows else 0}")
-        for (seq, pos), row in zip(rows, value):
-            by_site[(layer, site)][starts[seq] + pos] = row
-    for key, rows in by_site.items():
-        if len(rows) != total:
-            capture.manifest.setdefault("incomplete_sites", []).append(f"{key[0]}/{key[1]}")
-            continue
-        stacked = torch.stack([rows[i] for i in range(total)])
-        if key[1] == "indexer_topk" and stacked.dtype.is_floating_point:
-            stacked = stacked.long()
-        capture.tensors[key] = stacked
-    capture.manifest["not_read"] = sorted(unknown)
-    capture.manifest["gradients"] = len(grads)
-    return capture
+            raise ValueError(f"{where}: {label} has {value.shape[0]} token rows; the step's batch fields give "
+                             f"{len(rows) if rows else 0}")
+        if site == "indexer_topk":
+            value = value.reshape(len(rows), -1).long()
+            if side == "trainer":  # packed indices of the micro-batch -> positions in the row's own sequence
+                offset = torch.tensor([s if s is not None else 0 for s in row_starts])[:, None]
+                value = torch.where(value >= 0, value - offset, value)
+        for row, v in zip(rows, value):
+            if row is not None:
+                placed[kind][(layer, site)][starts[row[0]] + row[1]] = v
+    captures = {}
+    incomplete = []
+    for kind in ("value", "grad"):
+        cap = Capture(ids, cu, manifest=dict(manifest, path=manifest["path"] + (" gradients" if kind == "grad" else "")))
+        for key, rows in placed[kind].items():
+            if len(rows) != total:
+                incomplete.append(f"{'grad ' if kind == 'grad' else ''}{key[0]}/{key[1]}: {len(rows)} of {total} rows")
+                continue
+            cap.tensors[key] = torch.stack([rows[i] for i in range(total)])
+        experts = {layer: t for (layer, site), t in cap.tensors.items() if site == "router_experts"}
+        for (layer, site), t in list(cap.tensors.items()):
+            cap.tensors[(layer, site)] = canonical(site, t, experts.get(layer))
+        captures[kind] = cap
+    captures["value"].manifest.update(not_read=sorted(not_read), incomplete_sites=incomplete,
+                                      gradients=len(captures["grad"].tensors), parameter_gradients=len(param_grads))
+    return FrameworkDump(captures["value"], captures["grad"], param_grads, side, sorted(not_read), incomplete)
