@@ -155,10 +155,22 @@ def cmd_parity(args) -> int:
         from glmkit.parity.dump import read_selections
 
         replay_from = read_selections(args.replay_topk_from, open_checkpoint(args.checkpoint).config)
+    if args.gradients:
+        from glmkit.parity.builtin import gradient_parity
+
+        acts, params = gradient_parity(args.checkpoint, paths, args.seq_len, args.batch, args.dtype, args.device,
+                                       _backends(args), thresholds, args.seed)
+        result = acts
+        result.parameter_gradients = params
+        print(_gradient_lines(acts, params))
+        if args.json:
+            write_atomic(args.json, json.dumps({"gradients": acts.to_json(), "parameter_gradients": params.to_json()},
+                                               indent=2))
+        return 0 if acts.verdict == params.verdict == "pass" else 1
     result, cap_a, cap_b = parity(args.checkpoint, paths, args.checkpoint_b, args.seq_len, args.batch, args.dtype,
                                   args.device, _backends(args), args.streaming, thresholds,
                                   args.seed, replay_topk=args.replay_topk, replay_from=replay_from,
-                                  replay_from_name=args.replay_topk_from)
+                                  replay_from_name=args.replay_topk_from, third=args.third)
     print(f"{result.path_a} vs {result.path_b} ({result.mode}, {result.dtype}; thresholds {result.thresholds})")
     if result.topk_replay:
         print(f"top-k replay: {result.topk_replay}")
@@ -171,6 +183,10 @@ def cmd_parity(args) -> int:
     print("verdict: pass" if first is None else
           f"verdict: fail, first divergence at layer {first.layer}, site {first.site} "
           f"(rel RMS {first.rel_rms}, identical {first.identical})")
+    if result.departure is not None:
+        print(f"departure: {result.departure.text}")
+    if result.gradients is not None or result.parameter_gradients is not None:
+        print(_gradient_lines(result.gradients, result.parameter_gradients))
     if args.json:
         write_atomic(args.json, json.dumps(result.to_json(), indent=2))
     if args.save_captures:
@@ -178,7 +194,22 @@ def cmd_parity(args) -> int:
 
         for tag, cap in (("a", cap_a), ("b", cap_b)):
             save_capture(cap, f"{args.save_captures}/{tag}-{cap.manifest.get('path', tag)}")
-    return 0 if result.verdict == "pass" else 1
+    gradients = [r for r in (result.gradients, result.parameter_gradients) if r is not None]
+    return 0 if result.verdict == "pass" and all(r.verdict == "pass" for r in gradients) else 1
+
+
+def _gradient_lines(acts, params) -> str:
+    """The gradient verdicts, first divergence in the backward order."""
+    lines = []
+    for label, r in (("activation gradients", acts), ("parameter gradients", params)):
+        if r is None:
+            continue
+        f = r.first_divergence
+        lines.append(f"{label}: {len(r.sites)} compared, {len(r.skipped_sites)} skipped; " +
+                     ("pass" if f is None else f"fail, first divergence in the backward order at layer {f.layer} "
+                                               f"{f.site} (rel RMS {f.rel_rms:.3e})"))
+        lines += [f"  {w}" for w in r.warnings[:1]]
+    return "\n".join(lines)
 
 
 def cmd_capture(args) -> int:
@@ -580,7 +611,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-b", help="load the second path from this checkpoint instead")
     p.add_argument("--paths", default="reference,train",
                    help="two of reference, train, rollout, sglang:http://HOST:PORT (a server speaking SGLang's "
-                        "native API, teacher-forced) or a capture directory, comma-separated")
+                        "native API, teacher-forced), a capture directory or a framework dump directory (SGLang's "
+                        "dumper: an engines/ folder, or a trainer phase folder such as fwd_bwd/rollout_0), "
+                        "comma-separated")
     run_arguments(p)
     p.add_argument("--replay-topk", default="auto", choices=["auto", "on", "off"],
                    help="path B uses path A's DSA selections (auto: when A is the reference or a capture and "
@@ -592,6 +625,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="layer by layer from the files, each layer fed the reference's input (reference,train)")
     p.add_argument("--threshold", action="append", metavar="NAME=VALUE",
                    help="override a default threshold: rel_rms=1e-4, identical=0.99")
+    p.add_argument("--third", default="reference", choices=["reference", "train", "none"],
+                   help="with two dump directories: the path each side is compared with, run on the checkpoint on "
+                        "the dumps' tokens, to name the side that departs first (none: the two sides only)")
+    p.add_argument("--gradients", action="store_true",
+                   help="compare gradients of the paths reference,train (next-token cross-entropy), per site and "
+                        "parameter, first divergence in the backward order (dumps of a forward-backward phase are "
+                        "compared on their gradients without this flag)")
     p.add_argument("--json", help="write the result as JSON here")
     p.add_argument("--save-captures", metavar="DIR", help="also write both captures (dump format) under DIR")
     p.set_defaults(func=cmd_parity)

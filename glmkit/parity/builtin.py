@@ -83,7 +83,8 @@ def dump_parity(checkpoint, path_a: str, path_b: str, third: str = "reference", 
     and whether index differences are ties (candidate scores recomputed from the checkpoint on each
     side's own inputs where a dump lacks them). Gradients (a forward-backward phase) are compared the
     same way, in the backward order. -> (ParityResult with .departure / .gradients, capture_a, capture_b)."""
-    from glmkit.parity.departure import align, departure, parameter_capture, rescore, restrict, sequences_of
+    from glmkit.parity.departure import (GRADIENT_THRESHOLDS, align, departure, parameter_capture, rescore, restrict,
+                                         sequences_of)
 
     if third not in THIRD_PATHS:
         raise ValueError(f"third path {third!r}; allowed: {', '.join(THIRD_PATHS)}")
@@ -100,6 +101,7 @@ def dump_parity(checkpoint, path_a: str, path_b: str, third: str = "reference", 
 
         model = load_model(checkpoint, getattr(torch, dtype), device)
         for cap in (cap_a, cap_b):
+            cap.manifest.setdefault("index_kpool", model.config.index_kpool)  # pools: how ties are judged
             notes += [f"{cap.manifest['path']}: {n}" for n in rescore(cap, model)]
     result = compare(cap_a, cap_b, dtype, thresholds)
     result.warnings = notes + result.warnings
@@ -123,13 +125,15 @@ def dump_parity(checkpoint, path_a: str, path_b: str, third: str = "reference", 
     if ga is not None:
         ga = restrict(ga, sequences) if sequences_of(ga) != sequences else ga
         gb = restrict(gb, sequences) if sequences_of(gb) != sequences else gb
-        result.gradients = compare(ga, gb, dtype, thresholds, backward=True, skip_mismatched=True)
+        result.gradients = compare(ga, gb, dtype, {**GRADIENT_THRESHOLDS[dtype], **(thresholds or {})},
+                                   backward=True, skip_mismatched=True)
         result.gradients.warnings.insert(0, "loss: the framework's own training loss of the dumped step (a "
                                             "forward-backward phase); both dumps must come from the same loss")
     if da.param_grads and db.param_grads:
         pa = parameter_capture(da.param_grads, {"path": cap_a.manifest["path"] + " parameter gradients"})
         pb = parameter_capture(db.param_grads, {"path": cap_b.manifest["path"] + " parameter gradients"})
-        result.parameter_gradients = compare(pa, pb, dtype, thresholds, backward=True, skip_mismatched=True)
+        result.parameter_gradients = compare(pa, pb, dtype, {**GRADIENT_THRESHOLDS[dtype], **(thresholds or {})},
+                                             backward=True, skip_mismatched=True)
     return result, cap_a, cap_b
 
 
@@ -140,8 +144,11 @@ def gradient_parity(checkpoint, paths=("reference", "train"), seq_len: int = 64,
     seeded input, per site and per parameter, first divergence in the backward order.
     -> (activation ParityResult, parameter ParityResult)."""
     from glmkit.checkpoint import open_checkpoint
-    from glmkit.parity.departure import capture_gradients, parameter_capture
+    from glmkit.parity.departure import GRADIENT_THRESHOLDS, capture_gradients, parameter_capture
 
+    if dtype not in GRADIENT_THRESHOLDS:
+        raise ValueError(f"dtype {dtype!r}; allowed: {', '.join(GRADIENT_THRESHOLDS)}")
+    thresholds = {**GRADIENT_THRESHOLDS[dtype], **(thresholds or {})}
     if sorted(paths) != ["reference", "train"]:
         raise ValueError(f"gradients compare the paths reference and train; got {','.join(paths)}")
     sequences, _ = make_inputs(open_checkpoint(checkpoint).config.vocab_size, batch, seq_len, seed)

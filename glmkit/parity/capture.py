@@ -13,6 +13,8 @@ sequence-local, -1 first), router weights are ordered like their sorted expert i
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -293,6 +295,18 @@ def hook_reference_layer(layer, i: int, put, last_topk: dict, replay=None) -> li
     return hooks
 
 
+@dataclass(frozen=True)
+class Tap:
+    """One place a HookCapturer listens, for site maps that need more than "this module's output is
+    that site". `handler(capturer, layer, name, module, args, kwargs, output)` reports rows with
+    `capturer.put(layer, site, rows)`. `on`: "forward" (a forward hook), "pre" (a forward pre-hook;
+    output is None) or "method:NAME" (the module's method NAME, wrapped on the instance for the
+    capture and restored on exit; modules without that method are left alone)."""
+
+    handler: Callable
+    on: str = "forward"
+
+
 class HookCapturer:
     """Capture any torch model in glmkit's format from a map of module-name patterns to sites.
 
@@ -301,39 +315,101 @@ class HookCapturer:
             model(tokens)                       # however that framework runs
         capture = cap.to_capture(input_ids, cu_seqlens, path="megatron")
 
-    A pattern's first group (if any) is the layer number. `rows(module_name, output)` turns a module
-    output into [tokens, ...] rows in the input's token order (default: first tensor of the output,
-    leading dims flattened); give one that undoes the framework's layout ([S, B, D], padding, ...).
+    A pattern's first group (if any) is the layer number (`layer(name, module, match)` overrides that,
+    e.g. for a pipeline stage's offset). `rows(module_name, output)` turns a module output into
+    [tokens, ...] rows in the input's token order (default: first tensor of the output, leading dims
+    flattened); give one that undoes the framework's layout ([S, B, D], padding, ...). A site_map value
+    may also be a `Tap` (or a list of them) for outputs that need converting or methods that produce
+    a site without being a module (glmkit.parity.site_maps builds those for Megatron and SGLang).
+    `model` may be a list of modules (virtual pipeline chunks).
     """
 
-    def __init__(self, model, site_map: dict, rows=None):
+    def __init__(self, model, site_map: dict, rows=None, layer=None):
         self.model, self.rows = model, rows or self._default_rows
-        self.patterns = [(re.compile(p), site) for p, site in site_map.items()]
-        self.outputs, self.hooks = {}, []
+        self.patterns = [(re.compile(p), taps) for p, taps in site_map.items()]
+        self.layer_of = layer or (lambda name, module, m: int(m.group(1)) if m.groups() else None)
+        self.outputs, self.hooks, self.patched = {}, [], []
 
     @staticmethod
     def _default_rows(name, output):
         t = output[0] if isinstance(output, (tuple, list)) else output
         return t.reshape(-1, *t.shape[2:]) if t.dim() > 2 else t
 
+    def named_modules(self):
+        chunks = self.model if isinstance(self.model, (list, tuple)) else [self.model]
+        for chunk in chunks:
+            yield from chunk.named_modules()
+
+    def put(self, layer, site, rows: torch.Tensor):
+        """Add rows (the next tokens in order) to (layer, site)."""
+        self.outputs.setdefault((layer, site), []).append(rows.detach().cpu())
+
     def __enter__(self):
-        for name, module in self.model.named_modules():
-            for pattern, site in self.patterns:
-                m = pattern.search(name)
-                if m:
-                    layer = int(m.group(1)) if m.groups() else None
-                    self.hooks.append(module.register_forward_hook(
-                        lambda mod, a, out, key=(layer, site), name=name:
-                        self.outputs.setdefault(key, []).append(self.rows(name, out).detach().cpu())))
+        try:
+            for name, module in self.named_modules():
+                for pattern, taps in self.patterns:
+                    m = pattern.search(name)
+                    if m:
+                        layer = self.layer_of(name, module, m)
+                        for tap in taps if isinstance(taps, (list, tuple)) else [taps]:
+                            self._attach(tap, layer, name, module)
+        except BaseException:
+            self.__exit__()
+            raise
         return self
+
+    def _attach(self, tap, layer, name, module):
+        if isinstance(tap, str):
+            self.hooks.append(module.register_forward_hook(
+                lambda mod, a, out, key=(layer, tap), name=name: self.put(*key, self.rows(name, out))))
+            return
+
+        def call(args, kwargs, out):
+            tap.handler(self, layer, name, module, args, kwargs, out)
+
+        if tap.on == "forward":  # hooks return None: torch would otherwise replace the module's output
+            self.hooks.append(module.register_forward_hook(
+                lambda mod, a, kw, out: call(a, kw, out), with_kwargs=True))
+        elif tap.on == "pre":
+            self.hooks.append(module.register_forward_pre_hook(
+                lambda mod, a, kw: call(a, kw, None), with_kwargs=True))
+        elif tap.on.startswith("method:"):
+            method = tap.on.split(":", 1)[1]
+            original = getattr(module, method, None)
+            if not callable(original):
+                return
+            own = method in module.__dict__
+
+            def wrapped(*args, **kwargs):
+                out = original(*args, **kwargs)
+                call(args, kwargs, out)
+                return out
+
+            self.patched.append((module, method, module.__dict__[method] if own else None, own))
+            object.__setattr__(module, method, wrapped)
+        else:
+            raise ValueError(f"Tap.on={tap.on!r}: expected 'forward', 'pre' or 'method:NAME'")
 
     def __exit__(self, *exc):
         for h in self.hooks:
             h.remove()
+        for module, method, previous, own in reversed(self.patched):
+            if own:
+                object.__setattr__(module, method, previous)
+            else:
+                delattr(module, method)
+        self.hooks, self.patched = [], []
 
     def to_capture(self, input_ids, cu_seqlens, **manifest) -> Capture:
         capture = Capture(torch.as_tensor(input_ids), torch.as_tensor(cu_seqlens),
                           manifest={"mode": "end-to-end", **manifest})
+        tokens = capture.input_ids.numel()
         for (layer, site), chunks in self.outputs.items():
-            capture.put(layer, site, canonical(site, torch.cat(chunks)))
+            rows = torch.cat(chunks)
+            if rows.shape[0] != tokens:
+                where = "final" if layer is None else f"layer {layer}"
+                raise ValueError(f"{where} {site}: {rows.shape[0]} rows captured for {tokens} input tokens "
+                                 f"(a module that ran a different number of times or on other tokens)")
+            experts = self.outputs.get((layer, "router_experts")) if site == "router_weights" else None
+            capture.put(layer, site, canonical(site, rows, torch.cat(experts) if experts else None))
         return capture

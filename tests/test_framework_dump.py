@@ -1,0 +1,296 @@
+"""Framework dumps as parity paths: SGLang's dumper format read (engine and trainer), sequences lined up
+across sides, the departing side named against the reference, ties told apart, gradients compared.
+
+Dumps come from two writers: files written by sglang 0.5.23's own dumper (tests/data/sglang_dumper,
+made by its make_fixture.py; every logical value known) and tests/framework_dumps.py, which writes
+whole-model dumps of a tiny checkpoint with the same conventions (checked here against the real files).
+Tolerances are compare()'s fp32 defaults (rel RMS 1e-4): a partial sum split across tp ranks and added
+back is exact to ~1e-7; an injected divergence (a weight scaled by 1.1) moves its site by ~1e-1.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from glmkit.checkpoint import open_checkpoint
+from glmkit.config import variant_config
+from glmkit.model import load_model
+from glmkit.parity.builtin import dump_parity, gradient_parity, make_inputs, parity
+from glmkit.parity.capture import capture_reference, capture_rollout, capture_train
+from glmkit.parity.departure import capture_gradients, parameter_key
+from glmkit.parity.framework_dump import dump_leaves, parse_dims, read_framework_dump
+from glmkit.reference import load_reference
+from tests.conftest import reference_checkpoint
+from tests.framework_dumps import write_engine_dump, write_trainer_dump
+from tests.test_parity import altered, glmkit_cli
+from tests.test_ties import TIE_CONFIGS
+
+REAL = Path(__file__).parent / "data" / "sglang_dumper"
+
+
+def known(r, p, c):  # make_fixture.value
+    return 100.0 * r + p + c / 10.0
+
+
+# --- files written by SGLang's own dumper ---------------------------------------------------------------------
+
+def test_reads_the_engine_side_sglangs_dumper_wrote():
+    dump = read_framework_dump(REAL / "engines")
+    cap = dump.capture
+    assert dump.side == "engine" and dump.not_read == [] and dump.incomplete == []
+    # two requests, rows placed by rid and position across the prefill and two decode steps
+    assert cap.input_ids.tolist() == [11, 12, 13, 14, 15, 21, 22, 23] and cap.cu_seqlens.tolist() == [0, 5, 8]
+    expected = torch.tensor([[known(r, p, c) for c in range(4)] for r, n in ((0, 5), (1, 3)) for p in range(n)])
+    torch.testing.assert_close(cap.tensors[(0, "attn_out")], expected, rtol=0, atol=1e-5)  # tp partial sums added
+    torch.testing.assert_close(cap.tensors[(0, "mlp_in")], expected, rtol=0, atol=0)       # tp shards concatenated
+    assert cap.tensors[(0, "router_experts")].tolist() == expected[:, :2].long().sort(-1).values.tolist()
+
+
+def test_reads_the_trainer_side_sglangs_dumper_wrote():
+    dump = read_framework_dump(REAL / "fwd_bwd")  # the one rollout folder below the phase
+    assert dump.side == "trainer"
+    expected = torch.tensor([[known(r, p, c) for c in range(4)] for r, n in ((0, 5), (1, 3)) for p in range(n)])
+    # sequence-parallel halves joined, the 1 squeezed, the micro-batch's 2 padding rows dropped
+    torch.testing.assert_close(dump.capture.tensors[(0, "attn_out")], expected, rtol=0, atol=0)
+    torch.testing.assert_close(dump.grads.tensors[(0, "attn_out")], expected / 1000, rtol=0, atol=0)
+
+
+def test_the_test_writer_follows_the_dumpers_conventions(tmp_path, tiny_ckpt):
+    model = load_model(tiny_ckpt, torch.float32, "cpu")
+    seqs, prompts = make_inputs(model.config.vocab_size, 2, 12)
+    write_engine_dump(capture_rollout(model, seqs, prompts), prompts, tmp_path)
+    write_trainer_dump(capture_train(model, seqs), tmp_path, phase="fwd_bwd")
+    pattern = re.compile(r"step=\d+___rank=\d+___dump_index=\d+___name=\w+___recompute_status=\w+(___layer_id=\d+)?\.pt")
+    for side in ("engines/engine_0", "fwd_bwd/rollout_0"):
+        ours = sorted((tmp_path / side).glob("*.pt"))
+        theirs = sorted((REAL / side).glob("*.pt"))
+        assert ours and all(pattern.fullmatch(f.name) for f in ours + theirs)
+        meta = lambda f: set(torch.load(f, weights_only=True)["meta"]) - {"dims", "layer_id"}  # noqa: E731
+        assert meta(ours[0]) == meta(theirs[0])
+        info = [k for k in meta(theirs[0]) if k.endswith("_parallel_info")]
+        ours_info = torch.load(ours[0], weights_only=True)["meta"][info[0]]
+        assert set(torch.load(theirs[0], weights_only=True)["meta"][info[0]]) <= set(ours_info)
+
+
+# --- whole-model dumps of a tiny checkpoint ----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("dump-tiny")
+    ckpt = reference_checkpoint(variant_config("tiny"), seed=7, path=path / "ck")
+    seqs, prompts = make_inputs(open_checkpoint(ckpt).config.vocab_size, 3, 24)
+    return ckpt, seqs, prompts, path
+
+
+def engine_dump(ckpt, seqs, prompts, out, **kw):
+    return write_engine_dump(capture_rollout(load_model(ckpt, torch.float32, "cpu"), seqs, prompts), prompts, out,
+                             **kw).parent
+
+
+def trainer_dump(ckpt, seqs, out, **kw):
+    return write_trainer_dump(capture_train(load_model(ckpt, torch.float32, "cpu"), seqs), out, **kw)
+
+
+@pytest.mark.parametrize("bad_side", ["engine", "trainer"])
+@pytest.mark.parametrize("layer,weight,site", [(1, "self_attn.o_proj.weight", "attn_out"),
+                                               (2, "post_attention_layernorm.weight", "mlp_in")])
+def test_an_injected_divergence_is_named_with_the_side_that_departs(tiny, bad_side, layer, weight, site):
+    ckpt, seqs, prompts, path = tiny
+    name = f"{bad_side}-{layer}"
+    bad = altered(ckpt, path / f"bad-{name}", f"model.language_model.layers.{layer}.{weight}", lambda w: w * 1.1)
+    engine = engine_dump(bad if bad_side == "engine" else ckpt, seqs, prompts, path / f"e-{name}")
+    trainer = trainer_dump(bad if bad_side == "trainer" else ckpt, seqs, path / f"t-{name}")
+    result, a, b = parity(ckpt, (str(trainer), str(engine)))
+    assert result.verdict == "fail"
+    assert (result.first_divergence.layer, result.first_divergence.site) == (layer, site)
+    d = result.departure
+    assert (d.side, d.layer, d.site) == ("b" if bad_side == "engine" else "a", layer, site)
+    assert bad_side in d.path and "reference" in d.text and "stays within" in d.text
+    # the engine never forwards the last token it samples: compared on the common prefix of each sequence
+    assert a.lengths == b.lengths and sorted(a.lengths) == sorted(len(s) - 1 for s in seqs)  # in A's order
+    assert any("compared on the first" in w for w in result.warnings)
+    # every layer's sites were compared; layer 0 attn_out was split across tp ranks on the engine
+    assert {(0, "attn_out"), (3, "indexer_topk"), (3, "router_experts"), (None, "final_hidden")} <= \
+        {(s.layer, s.site) for s in result.sites}
+    earlier = [s for s in result.sites if s.layer is not None and s.layer < layer]
+    assert earlier and not any(s.diverged for s in earlier)
+
+
+def test_consistent_dumps_pass_and_agree_with_the_reference(tiny):
+    ckpt, seqs, prompts, path = tiny
+    engine = engine_dump(ckpt, seqs, prompts, path / "e-ok", rids=["x", "y", "z"])
+    trainer = trainer_dump(ckpt, seqs, path / "t-ok", micro_batches=2, recompute=True)
+    result, _, _ = parity(ckpt, (str(trainer), str(engine)))
+    assert result.verdict == "pass", result.first_divergence
+    assert result.departure.side == "neither"
+    assert all(r.verdict == "pass" for r in result.versus_third.values())
+    data = json.loads(json.dumps(result.to_json()))
+    assert data["departure"]["side"] == "neither" and data["versus_third"]["a"]["verdict"] == "pass"
+    # without a checkpoint: the two sides alone, no third path
+    alone, _, _ = dump_parity(None, str(trainer), str(engine))
+    assert alone.verdict == "pass" and alone.departure is None
+
+
+def test_ties_are_reported_as_ties_with_scores_recomputed_from_the_checkpoint(tmp_path):
+    """The engine stand-in is transformers' reference (it breaks ties another way than glmkit's train
+    path); its dump carries no candidate scores, so they are recomputed from its own attn_in / mlp_in."""
+    ckpt = reference_checkpoint(variant_config("tiny", **TIE_CONFIGS["heads2-kpool4"]), seed=11, path=tmp_path / "ck")
+    seqs, prompts = make_inputs(open_checkpoint(ckpt).config.vocab_size, 2, 64)
+    ref = capture_reference(load_reference(ckpt, torch.float32, "cpu"), seqs)
+    for key in [k for k in ref.tensors if k[1] in ("indexer_scores", "router_scores")]:
+        del ref.tensors[key]
+    engine = write_engine_dump(ref, prompts, tmp_path).parent
+    trainer = write_trainer_dump(capture_train(load_model(ckpt, torch.float32, "cpu"), seqs), tmp_path)
+    result, _, b = parity(ckpt, (str(trainer), str(engine)))
+    topk = next(s for s in result.sites if (s.layer, s.site) == (3, "indexer_topk"))
+    assert topk.tied > 0 and topk.different == 0 and not topk.diverged
+    assert any("layer 3 indexer_scores recomputed" in w for w in result.warnings)
+    assert (3, "indexer_scores") in b.tensors
+    # each side against the reference: its selections at layer 3 differ by ties only (torch.topk breaks the
+    # reference's ties by the number of candidates, so even the reference on a sequence one token shorter
+    # picks other tied pools), and whatever departs does so downstream of those ties, named as such
+    for r in result.versus_third.values():
+        ties = next(s for s in r.sites if (s.layer, s.site) == (3, "indexer_topk"))
+        assert ties.different == 0 and not ties.diverged
+    d = result.departure
+    assert d.layer == 3 and d.site != "indexer_topk" and "layer 3 indexer_topk" in d.tied_before
+    assert "ties only: layer 3 indexer_topk" in d.text
+
+
+def test_gradients_first_divergence_in_backward_order(tiny):
+    ckpt, seqs, prompts, path = tiny
+    grads, params = capture_gradients("train", ckpt, seqs)
+    assert grads.manifest["loss"].startswith("mean over predicted tokens")
+    cap = capture_train(load_model(ckpt, torch.float32, "cpu"), seqs)
+    good = write_trainer_dump(cap, path / "g-ok", phase="fwd_bwd", grads=grads, param_grads=params)
+    # a backward bug at layer 2's attention: that gradient and every one the backward computes after it
+    from glmkit.parity.compare import site_order
+
+    broken = {k: (v * 1.05 if site_order(k, True) >= site_order((2, "attn_out"), True) else v)
+              for k, v in grads.tensors.items()}
+    bad_grads = type(grads)(grads.input_ids, grads.cu_seqlens, broken, dict(grads.manifest))
+    bad_params = {n: (g * 1.05 if parameter_key(n)[0] == 1 else g) for n, g in params.items()}
+    bad = write_trainer_dump(cap, path / "g-bad", phase="fwd_bwd", grads=bad_grads, param_grads=bad_params)
+    result, _, _ = parity(ckpt, (str(good), str(bad)))
+    assert result.verdict == "pass"  # the forward agrees
+    g = result.gradients
+    assert g.verdict == "fail" and (g.first_divergence.layer, g.first_divergence.site) == (2, "attn_out")
+    assert g.sites[0].layer is None  # the loss end first
+    assert "loss" in g.warnings[0]
+    p = result.parameter_gradients
+    assert p.verdict == "fail" and p.first_divergence.layer == 1
+
+
+def test_gradient_parity_train_against_reference(tiny):
+    ckpt = tiny[0]
+    acts, params = gradient_parity(ckpt, seq_len=24, batch=2)
+    assert acts.verdict == "pass" and params.verdict == "pass", (acts.first_divergence, params.first_divergence)
+    assert {(0, "attn_out"), (3, "mlp_out"), (None, "final_hidden")} <= {(s.layer, s.site) for s in acts.sites}
+    families = {s.site for s in params.sites}
+    assert "param:hc_attn_fn" in families and "param:self_attn.q_a_proj.weight" in families
+    assert all("loss: mean over predicted tokens" in r.warnings[0] for r in (acts, params))
+
+
+def test_parameter_names_of_each_framework_share_keys():
+    assert parameter_key("module.module.decoder.layers.7.mlp.router.weight") == (7, "decoder.mlp.router.weight")
+    assert parameter_key("model.language_model.layers.2.attn_hc.fn") == parameter_key("layers.2.hc_attn_fn")
+
+
+def test_cli_names_the_departing_side(tiny, tmp_path):
+    ckpt, seqs, prompts, path = tiny
+    bad = altered(ckpt, tmp_path / "bad", "model.language_model.layers.1.self_attn.o_proj.weight", lambda w: w * 1.1)
+    engine = engine_dump(bad, seqs, prompts, tmp_path / "e")
+    trainer = trainer_dump(ckpt, seqs, tmp_path / "t")
+    out = glmkit_cli("parity", "--checkpoint", ckpt, "--paths", f"{trainer},{engine}", "--json", tmp_path / "r.json")
+    assert out.returncode == 1, out.stderr
+    assert "departs from reference first, at layer 1 attn_out" in out.stdout
+    data = json.loads((tmp_path / "r.json").read_text())
+    assert data["departure"]["side"] == "b" and data["first_divergence"]["site"] == "attn_out"
+
+
+# --- what a reader must refuse ------------------------------------------------------------------------------------
+
+class _Boom:
+    def __reduce__(self):
+        return (print, ("pwned",))
+
+
+def test_a_dump_needing_pickle_is_refused_by_name(tmp_path, capsys):
+    folder = tmp_path / "engines" / "engine_0"
+    folder.mkdir(parents=True)
+    torch.save({"value": _Boom(), "meta": {}}, folder / "step=0___rank=0___dump_index=1___name=input_ids.pt",
+               pickle_protocol=2)
+    with pytest.raises(ValueError, match="weights_only"):
+        read_framework_dump(tmp_path)
+    assert "pwned" not in capsys.readouterr().out
+
+
+def _copy_real(tmp_path, side="engines/engine_0", drop=None, edit=None):
+    out = tmp_path / side
+    out.mkdir(parents=True)
+    for f in (REAL / side).glob("*.pt"):
+        if drop and re.search(drop, f.name):
+            continue
+        data = torch.load(f, weights_only=True)
+        if edit:
+            edit(f.name, data)
+        torch.save(data, out / f.name)
+    return out
+
+
+def test_a_missing_rank_file_is_named(tmp_path):
+    _copy_real(tmp_path, drop=r"step=1___rank=1___.*name=attn_output")
+    with pytest.raises(ValueError, match=r"attn_out layer 0 step 1: tp ranks \[0\] dumped it; tp size is 2"):
+        read_framework_dump(tmp_path / "engines")
+
+
+def test_dims_that_do_not_fit_the_tensor_are_refused(tmp_path):
+    def edit(name, data):
+        if "attn_output" in name:
+            data["meta"]["dims"] = "t 1 h[tp:partial]"
+    _copy_real(tmp_path, edit=edit)
+    with pytest.raises(ValueError, match=r"name 3 dims; the tensor has 2"):
+        read_framework_dump(tmp_path / "engines")
+
+
+def test_context_parallel_dumps_are_refused_by_name(tmp_path):
+    def edit(name, data):
+        data["meta"]["megatron_parallel_info"].update(cp_rank=0, cp_size=2)
+        if "attn_output" in name:
+            data["meta"]["dims"] = "t[cp:zigzag,sp] 1 h"
+    _copy_real(tmp_path, "fwd_bwd/rollout_0", edit=edit)
+    with pytest.raises(ValueError, match="context parallel"):
+        read_framework_dump(tmp_path / "fwd_bwd")
+
+
+def test_without_batch_fields_rows_cannot_be_placed(tmp_path):
+    _copy_real(tmp_path, drop=r"name=(input_ids|positions|seq_lens|rids|req_pool_indices)___")
+    with pytest.raises(ValueError, match="no step with input_ids"):
+        read_framework_dump(tmp_path / "engines")
+
+
+def test_a_cached_prefix_is_named(tmp_path):
+    _copy_real(tmp_path, drop=r"step=0___")
+    with pytest.raises(ValueError, match="prefix cache"):
+        read_framework_dump(tmp_path / "engines")
+
+
+def test_a_whole_dumper_dir_asks_for_one_side(tmp_path):
+    with pytest.raises(ValueError, match=r"2 dump folders in it .*engines/engine_0.*fwd_bwd/rollout_0"):
+        dump_leaves(REAL)
+    assert dump_leaves(REAL / "engines") == [REAL / "engines" / "engine_0"]
+
+
+def test_dims_grammar():
+    dims, replicated, dp = parse_dims("t[cp:zigzag,sp] 1 (num_heads*head_dim)[tp] # ep:replicated dp:=attn_dp")
+    assert [d.name for d in dims] == ["t", "1", "(num_heads*head_dim)"]
+    assert dims[0].shards == (("cp", "zigzag"), ("sp", "sharded")) and dims[2].shards == (("tp", "sharded"),)
+    assert replicated == {"ep"} and dp == "attn_dp"
+    legacy, _, _ = parse_dims("t(cp:zigzag,sp) 1 h(tp:partial)")
+    assert legacy[0].shards == (("cp", "zigzag"), ("sp", "sharded")) and legacy[2].shards == (("tp", "partial"),)
