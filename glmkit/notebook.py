@@ -118,6 +118,15 @@ def parity_reasons(data: dict) -> list[str]:
         if sites:
             text += f"; {sum(bool(s.get('diverged')) for s in sites)} of {len(sites)} sites diverge"
         reasons.append(text)
+    departure = data.get("departure")
+    if isinstance(departure, dict) and departure.get("text"):
+        reasons.append(f"which side departs: {departure['text']}")
+    for key in ("gradients", "parameter_gradients"):
+        part = data.get(key)
+        first = part.get("first_divergence") if isinstance(part, dict) else None
+        if isinstance(first, dict):
+            reasons.append(f"{key.replace('_', ' ')}: first divergence in the backward order at layer "
+                           f"{first.get('layer')} {first.get('site')}")
     return reasons
 
 

@@ -294,3 +294,22 @@ def test_dims_grammar():
     assert replicated == {"ep"} and dp == "attn_dp"
     legacy, _, _ = parse_dims("t(cp:zigzag,sp) 1 h(tp:partial)")
     assert legacy[0].shards == (("cp", "zigzag"), ("sp", "sharded")) and legacy[2].shards == (("tp", "partial"),)
+
+
+def test_notebook_01_takes_dump_directories_and_its_report_names_the_departing_side(tiny, tmp_path, capsys):
+    from glmkit.notebook import main as report_main
+    from tests.test_notebooks import LAYER_PARITY, report_header
+    from tests.test_report_offline import assert_offline
+
+    ckpt, seqs, prompts, path = tiny
+    bad = altered(ckpt, tmp_path / "bad", "model.language_model.layers.2.self_attn.o_proj.weight", lambda w: w * 1.1)
+    engine = engine_dump(bad, seqs, prompts, tmp_path / "e")
+    trainer = trainer_dump(ckpt, seqs, tmp_path / "t")
+    out = tmp_path / "report"
+    assert report_main(["report", str(LAYER_PARITY), "--out", str(out), "-p", "checkpoint", str(ckpt),
+                        "-p", "paths", f"{trainer},{engine}", "-p", "seq_len", "16"]) == 1
+    data = json.loads((out / "parity.json").read_text())
+    assert data["departure"]["side"] == "b" and (data["departure"]["layer"], data["departure"]["site"]) == (2, "attn_out")
+    header = report_header((out / "01_layer_parity.html").read_text())
+    assert "which side departs: engine engines departs from reference first, at layer 2 attn_out" in header
+    assert_offline((out / "01_layer_parity.html").read_text())

@@ -493,7 +493,8 @@ class VerdictBanner:
 
     @property
     def passed(self) -> bool:
-        return self.result.first_divergence is None
+        gradients = [getattr(self.result, k, None) for k in ("gradients", "parameter_gradients")]
+        return self.result.first_divergence is None and all(g.first_divergence is None for g in gradients if g)
 
     @property
     def headline(self) -> str:
@@ -513,6 +514,15 @@ class VerdictBanner:
             lines.append(f"{logprob_label(r)} = {r.logprob.value:.3e}")
         if getattr(r, "topk_replay", None):
             lines.append(f"top-k replay: {r.topk_replay}")
+        if getattr(r, "departure", None) is not None:
+            lines.append(f"which side departs: {r.departure.text}")
+        for label, g in (("activation gradients", getattr(r, "gradients", None)),
+                         ("parameter gradients", getattr(r, "parameter_gradients", None))):
+            if g is not None:
+                f = g.first_divergence
+                lines.append(f"{label}: " + ("pass" if f is None else
+                                             f"FAIL, first divergence in the backward order at layer {f.layer} "
+                                             f"{f.site}") + f" ({len(g.sites)} compared)")
         lines.extend(f"warning: {w}" for w in getattr(r, "warnings", []))
         return lines
 
