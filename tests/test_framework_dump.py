@@ -313,3 +313,17 @@ def test_notebook_01_takes_dump_directories_and_its_report_names_the_departing_s
     header = report_header((out / "01_layer_parity.html").read_text())
     assert "which side departs: engine engines departs from reference first, at layer 2 attn_out" in header
     assert_offline((out / "01_layer_parity.html").read_text())
+
+
+def test_dumped_logits_give_the_logprob_metric_and_unalignable_names_say_why(tiny, tmp_path):
+    ckpt, seqs, prompts, path = tiny
+    cap = capture_train(load_model(ckpt, torch.float32, "cpu"), seqs, keep_logits=True)
+    a = write_trainer_dump(cap, tmp_path / "a")
+    b = write_trainer_dump(cap, tmp_path / "b", micro_batches=3)
+    rank0 = next(a.glob("step=0___rank=0___*name=attn_output___*layer_id=1.pt"))
+    data = torch.load(rank0, weights_only=True)
+    data["meta"]["name"] = "attn_k"
+    torch.save(data, a / rank0.name.replace("attn_output", "attn_k"))
+    result, _, _ = dump_parity(ckpt, str(a), str(b), third="none")
+    assert result.verdict == "pass" and result.logprob is not None and result.logprob.value < 1e-6
+    assert any("attn_k (dumped before RoPE" in w for w in result.warnings)

@@ -107,8 +107,10 @@ def dump_parity(checkpoint, path_a: str, path_b: str, third: str = "reference", 
     result.warnings = notes + result.warnings
     for d in (da, db):
         if d.not_read:
-            result.warnings.append(f"{d.capture.manifest['path']}: names not compared (no glmkit site): "
-                                   f"{', '.join(d.not_read)}")
+            from glmkit.parity.framework_dump import NOT_ALIGNABLE
+
+            result.warnings.append(f"{d.capture.manifest['path']}: names not compared (no glmkit site): " + ", ".join(
+                f"{n} ({NOT_ALIGNABLE[n]})" if n in NOT_ALIGNABLE else n for n in d.not_read))
         if d.incomplete:
             result.warnings.append(f"{d.capture.manifest['path']}: sites not dumped for every token, skipped: "
                                    f"{', '.join(d.incomplete)}")

@@ -59,6 +59,13 @@ DUMP_SITES = {
     "indexer_scores": "indexer_scores", "indexer_topk": "indexer_topk",
     "final_hidden_states": "final_hidden", "logits": "logits",
 }
+# Names that cannot line up across the two sides, and what is compared instead.
+NOT_ALIGNABLE = {
+    "attn_k": "dumped before RoPE on one side and after on the other; attn_output, after it, is compared",
+    "moe_expert_output": "expert-parallel ranks hold different token counts; mlp_output, the combined output, is "
+                         "compared",
+    "moe_router_logits": "a tie judgement ranks sigmoid(logits) + correction bias: moe_router_scores is read instead",
+}
 LAYER_INPUT = "layer_input"  # -> (layer - 1, streams_after_ffn)
 # Names the framework's configs dump that glmkit reads but has no site for (listed, not compared).
 KNOWN_UNCOMPARED = ("moe_router_logits", "attn_q", "attn_k", "attn_v", "attn_pre_o_proj", "kda_q", "kda_k",
@@ -470,6 +477,13 @@ def read_framework_dump(path) -> FrameworkDump:
                 incomplete.append(f"{'grad ' if kind == 'grad' else ''}{key[0]}/{key[1]}: {len(rows)} of {total} rows")
                 continue
             cap.tensors[key] = torch.stack([rows[i] for i in range(total)])
+        logits = cap.tensors.get((None, "logits"))
+        if kind == "value" and logits is not None and (None, "logprobs") not in cap.tensors:
+            from glmkit.model.train import next_token_targets, token_logprobs
+            from glmkit.model.packed import Packed
+
+            targets = next_token_targets(ids, Packed.from_lengths(cap.lengths))
+            cap.tensors[(None, "logprobs")] = token_logprobs(logits.float(), targets)
         experts = {layer: t for (layer, site), t in cap.tensors.items() if site == "router_experts"}
         for (layer, site), t in list(cap.tensors.items()):
             cap.tensors[(layer, site)] = canonical(site, t, experts.get(layer))

@@ -256,7 +256,7 @@ def _sg_topk(cap, layer, name, module, args, kwargs, out):
     if routed is not None:  # a fused shared expert rides along as ids >= n_routed: not a routed choice
         keep = ids < routed
         k = int(keep.sum(-1).max()) if ids.numel() else ids.shape[-1]
-        order = (~keep).to(torch.int8).argsort(-1, stable=True)[:, :k]
+        order = (~keep).to(torch.int8).argsort(dim=-1, stable=True)[:, :k]
         ids, weights, keep = ids.gather(-1, order), weights.gather(-1, order), keep.gather(-1, order)
         ids, weights = torch.where(keep, ids, -1), torch.where(keep, weights, 0.0)
     config = getattr(module, "topk_config", None)
