@@ -79,7 +79,7 @@ def align(a: Capture, b: Capture) -> tuple[Capture, Capture, list[str]]:
     if left:
         notes.append(f"{b.manifest.get('path', 'b')}: {len(left)} sequence(s) with no counterpart left out")
     if not pairs:
-        raise ValueError(f"{a.manifest.get('path', 'a')} and {b.manifest.get('path', 'b')} share no sequence: "
+        raise ValueError(f"{a.manifest.get('path', 'a')} and {b.manifest.get('path', 'b')} share no sequence (they ran on different inputs): "
                          f"token lengths {[len(s) for s in seqs_a]} vs {[len(s) for s in seqs_b]}, no pair agrees "
                          f"from position 0 (were they dumped on the same rollout?)")
     rows_a = torch.cat([torch.arange(starts_a[i], starts_a[i] + n) for i, _, n in pairs])
