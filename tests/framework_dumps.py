@@ -69,6 +69,14 @@ def _trailing(value: torch.Tensor) -> str:
     return " ".join(["h", "n", "m"][:value.dim() - 1])
 
 
+def _trim(site, v):
+    """indexer_scores as a step holds them: as many pools as its longest sequence has so far."""
+    if site != "indexer_scores" or v.numel() == 0:
+        return v
+    live = torch.isfinite(v).any(0).nonzero()
+    return v[:, :int(live.max()) + 1 if len(live) else 1]
+
+
 def _sites(capture):
     for (layer, site), rows in sorted(capture.tensors.items(), key=lambda kv: (kv[0][0] is None, kv[0][0] or 0,
                                                                               kv[0][1])):
@@ -120,7 +128,7 @@ def write_engine_dump(capture, prompt_lengths, folder, tp: int = 2, grads=None, 
             if source is None:
                 continue
             for layer, site, values in _sites(source):
-                dims, parts = _shards(site, values[rows], tp, "engine", set(sharded))
+                dims, parts = _shards(site, _trim(site, values[rows]), tp, "engine", set(sharded))
                 for r, part in zip(ranks, parts):
                     tags = {} if layer is None else {"layer_id": layer}
                     r.dump(step, kind + NAME_OF[site], part, dims=dims, **tags)
@@ -156,14 +164,15 @@ def write_trainer_dump(capture, folder, tp: int = 2, micro_batches: int = 2, seq
             if source is None:
                 continue
             for layer, site, values in _sites(source):
-                v = values[rows]
+                v = _trim(site, values[rows])
                 if site == "indexer_topk":  # _kpool_select's own layout: packed indices of the micro-batch
                     v = torch.where(v >= 0, v + starts[:, None], v).int()
                 v = torch.cat([v, torch.zeros(pad, *v.shape[1:], dtype=v.dtype)])
-                if sequence_parallel and site not in ("indexer_topk", "router_experts", "router_weights",
-                                                      "router_scores", "indexer_scores"):
+                if sequence_parallel and site not in ("indexer_topk", "indexer_scores"):
+                    # each tp rank holds its sequence-parallel shard (the router too, on its own tokens)
                     rest = _trailing(v)
-                    dims, parts = f"t[sp] 1{' ' + rest if rest else ''}", list(v.unsqueeze(1).chunk(tp, dim=0))
+                    dims = f"t[sp] 1{' ' + rest if rest else ''} # tp:replicated"
+                    parts = list(v.unsqueeze(1).chunk(tp, dim=0))
                 else:
                     dims, parts = _shards(site, v, tp, "trainer", set())
                 for r, part in zip(ranks, parts):

@@ -219,8 +219,14 @@ def _unshard(records: list, where: str) -> torch.Tensor:
         if len(ranks) > 1:
             raise ValueError(f"{where}: non-empty on {dp} ranks {sorted(ranks)}; expected exactly one")
         pieces = full or pieces[:1]
-    named = {axis for dim in dims for axis, _ in dim.shards} | replicated
-    for axis in replicated:
+    sharded_axes = {axis for dim in dims for axis, _ in dim.shards}
+    named = sharded_axes | replicated
+    for axis in sorted(replicated):
+        # an axis that moves with a sharded one (Megatron's tp with sp: the same ranks) holds no copies
+        if any(all(p.get(axis, (0, 1))[0] == p.get(a, (0, 1))[0] for p, _ in pieces) and
+               pieces[0][0].get(a, (0, 1))[1] > 1 for a in sharded_axes):
+            named.discard(axis)
+            continue
         first = [(p, v) for p, v in pieces if p.get(axis, (0, 1))[0] == 0]
         for p, v in pieces:
             twin = next((w for q, w in first if all(q.get(a) == p.get(a) for a in named - {axis})), None)
@@ -476,7 +482,16 @@ def read_framework_dump(path) -> FrameworkDump:
             if len(rows) != total:
                 incomplete.append(f"{'grad ' if kind == 'grad' else ''}{key[0]}/{key[1]}: {len(rows)} of {total} rows")
                 continue
-            cap.tensors[key] = torch.stack([rows[i] for i in range(total)])
+            values = [rows[i] for i in range(total)]
+            widest = max(v.shape[-1] for v in values) if values[0].dim() else 0
+            if any(v.shape != values[0].shape for v in values):
+                if key[1] not in ("indexer_scores", "indexer_topk") or len({v.shape[:-1] for v in values}) > 1:
+                    raise ValueError(f"{where}: {key[1]} layer {key[0]}: rows of shapes "
+                                     f"{sorted({tuple(v.shape) for v in values})} across steps")
+                # candidate pools grow with the sequence (a decode step, a longer micro-batch): pad to the widest
+                fill = float("-inf") if key[1] == "indexer_scores" else -1
+                values = [torch.nn.functional.pad(v, (0, widest - v.shape[-1]), value=fill) for v in values]
+            cap.tensors[key] = torch.stack(values)
         logits = cap.tensors.get((None, "logits"))
         if kind == "value" and logits is not None and (None, "logprobs") not in cap.tensors:
             from glmkit.model.train import next_token_targets, token_logprobs
