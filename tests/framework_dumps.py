@@ -48,10 +48,12 @@ class DumperFiles:
                    self.folder / f"{stem}.pt")
 
 
-def sglang_info(tp_rank: int, tp: int) -> dict:
+def sglang_info(tp_rank: int, tp: int, dp_rank: int = 0, dp: int = 1) -> dict:
+    """With DP attention (dp > 1) the tp group spans the dp groups: attention tp = tp / dp (SGLang's layout)."""
+    attn_tp = tp // dp
     return {"tp_rank": tp_rank, "tp_size": tp, "pp_rank": 0, "pp_size": 1, "moe_ep_rank": tp_rank, "moe_ep_size": tp,
-            "moe_tp_rank": 0, "moe_tp_size": 1, "moe_dp_rank": 0, "moe_dp_size": 1, "attn_dp_enabled": False,
-            "attn_tp_rank": tp_rank, "attn_tp_size": tp, "attn_dp_rank": 0, "attn_dp_size": 1,
+            "moe_tp_rank": 0, "moe_tp_size": 1, "moe_dp_rank": 0, "moe_dp_size": 1, "attn_dp_enabled": dp > 1,
+            "attn_tp_rank": tp_rank % attn_tp, "attn_tp_size": attn_tp, "attn_dp_rank": dp_rank, "attn_dp_size": dp,
             "attn_cp_rank": 0, "attn_cp_size": 1}
 
 
@@ -90,28 +92,38 @@ def _shards(site: str, value: torch.Tensor, tp: int, side: str, sharded: set):
     if site in sharded and site == "attn_out" and side == "engine":  # row-parallel o_proj before its all-reduce
         parts = [value * (0.25 if r == 0 else 0.75 / (tp - 1)) for r in range(tp)]
         parts[-1] = value - sum(parts[:-1])
-        return f"t {extra[:-1]}h[tp:partial]".replace("  ", " "), parts
+        return f"t {extra[:-1]}h[attn_tp:partial] # dp:=attn_dp".replace("  ", " "), parts
     if site in sharded and site == "mlp_in" and value.dim() == 2:  # hidden split across tp
-        return "t h[tp]", list(value.chunk(tp, dim=-1))
+        return "t h[attn_tp] # dp:=attn_dp", list(value.chunk(tp, dim=-1))
     rest = f" {extra}" if extra else ""
     if side == "trainer":
         return f"t 1{rest} # tp:replicated", [value.unsqueeze(1)] * tp
-    return f"t{rest} # tp:replicated", [value] * tp
+    return f"t{rest} # attn_tp:replicated dp:=attn_dp", [value] * tp
 
 
 def write_engine_dump(capture, prompt_lengths, folder, tp: int = 2, grads=None, sharded=("attn_out", "mlp_in"),
-                      engine: int = 0, rids=None):
+                      engine: int = 0, rids=None, dp: int = 1):
     """The engine side: `engines/engine_<i>` under `folder`, one prefill step for every prompt then one
     decode step per token (requests finishing at their own lengths), the last token of each sequence
-    never forwarded."""
+    never forwarded. With `dp` > 1 (DP attention) request n runs on data-parallel group n % dp, each
+    group its own tp // dp ranks and steps."""
     out = Path(folder) / "engines" / f"engine_{engine}"
-    ranks = [DumperFiles(out, r, tp, "sglang_parallel_info", sglang_info(r, tp)) for r in range(tp)]
     cu = capture.cu_seqlens.tolist()
     seqs = [capture.input_ids[s:e].tolist() for s, e in zip(cu[:-1], cu[1:])]
     rids = rids or [f"{engine}-req{n:02d}-{7 * n + 3:x}" for n in range(len(seqs))]
-    plan = [[(n, list(range(p))) for n, p in enumerate(prompt_lengths)]]
-    for j in range(max(len(s) - 1 - p for s, p in zip(seqs, prompt_lengths))):
-        plan.append([(n, [p + j]) for n, (s, p) in enumerate(zip(seqs, prompt_lengths)) if p + j < len(s) - 1])
+    for group in range(dp):
+        attn_tp = tp // dp
+        ranks = [DumperFiles(out, group * attn_tp + r, tp, "sglang_parallel_info",
+                             sglang_info(group * attn_tp + r, tp, group, dp)) for r in range(attn_tp)]
+        mine = [n for n in range(len(seqs)) if n % dp == group]
+        _engine_steps(capture, prompt_lengths, seqs, rids, cu, mine, ranks, attn_tp, grads, sharded)
+    return out
+
+
+def _engine_steps(capture, prompt_lengths, seqs, rids, cu, mine, ranks, tp, grads, sharded):
+    plan = [[(n, list(range(prompt_lengths[n]))) for n in mine]]
+    for j in range(max(len(seqs[n]) - 1 - prompt_lengths[n] for n in mine)):
+        plan.append([(n, [prompt_lengths[n] + j]) for n in mine if prompt_lengths[n] + j < len(seqs[n]) - 1])
     for step, batch in enumerate(plan):
         rows = torch.tensor([cu[n] + q for n, positions in batch for q in positions])
         fields = {"input_ids": capture.input_ids[rows],
@@ -132,7 +144,6 @@ def write_engine_dump(capture, prompt_lengths, folder, tp: int = 2, grads=None, 
                 for r, part in zip(ranks, parts):
                     tags = {} if layer is None else {"layer_id": layer}
                     r.dump(step, kind + NAME_OF[site], part, dims=dims, **tags)
-    return out
 
 
 def write_trainer_dump(capture, folder, tp: int = 2, micro_batches: int = 2, sequence_parallel: bool = True,

@@ -122,10 +122,12 @@ def test_an_injected_divergence_is_named_with_the_side_that_departs(tiny, bad_si
     assert earlier and not any(s.diverged for s in earlier)
 
 
-def test_consistent_dumps_pass_and_agree_with_the_reference(tiny):
+@pytest.mark.parametrize("dp", [1, 2])
+def test_consistent_dumps_pass_and_agree_with_the_reference(tiny, dp):
+    """dp 2: DP attention, each data-parallel group its own requests and steps (tp 4 = 2 groups of 2)."""
     ckpt, seqs, prompts, path = tiny
-    engine = engine_dump(ckpt, seqs, prompts, path / "e-ok", rids=["x", "y", "z"])
-    trainer = trainer_dump(ckpt, seqs, path / "t-ok", micro_batches=2, recompute=True)
+    engine = engine_dump(ckpt, seqs, prompts, path / f"e-ok{dp}", rids=["x", "y", "z"], dp=dp, tp=2 * dp)
+    trainer = trainer_dump(ckpt, seqs, path / f"t-ok{dp}", micro_batches=2, recompute=True)
     result, _, _ = parity(ckpt, (str(trainer), str(engine)))
     assert result.verdict == "pass", result.first_divergence
     assert result.departure.side == "neither"

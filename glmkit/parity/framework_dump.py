@@ -358,6 +358,17 @@ def _site_of(name: str, layer):
     return (None if site in ("final_hidden", "logits") else layer), site
 
 
+def _dp_group(meta: dict) -> str:
+    """Data-parallel ranks run their own requests (SGLang's DP attention): each is its own stream of steps.
+    An idle rank's empty dumps form a stream with no tokens."""
+    info = _parallel(meta)
+    for axis in ("attn_dp", "dp"):
+        rank, size = info.get(axis, (0, 1))
+        if size > 1:
+            return f"{axis}{rank}/"
+    return ""
+
+
 def read_framework_dump(path) -> FrameworkDump:
     """A dump folder (or an engines/ folder of several engines) -> FrameworkDump. Sequences are ordered by
     first appearance; each token row is placed by (request or packed sequence, position)."""
@@ -376,7 +387,7 @@ def read_framework_dump(path) -> FrameworkDump:
         if r.tags.get("recompute_status") == "recompute":
             continue  # activation recompute dumps each site again: the original is kept
         leaf = r.file.parent
-        step = (engine_tag[leaf], r.tags["step"])
+        step = (engine_tag[leaf] + _dp_group(r.meta), r.tags["step"])
         name = str(r.tags["name"])
         if name in ENGINE_FIELDS + TRAINER_FIELDS:
             side = side or ("engine" if name in ENGINE_FIELDS[2:] or "sglang_parallel_info" in r.meta else None)
