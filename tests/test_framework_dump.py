@@ -329,3 +329,29 @@ def test_dumped_logits_give_the_logprob_metric_and_unalignable_names_say_why(tin
     result, _, _ = dump_parity(ckpt, str(a), str(b), third="none")
     assert result.verdict == "pass" and result.logprob is not None and result.logprob.value < 1e-6
     assert any("attn_k (dumped before RoPE" in w for w in result.warnings)
+
+
+def test_module_outputs_of_the_all_mode_are_read_by_their_module_paths(tiny, tmp_path):
+    """non_intrusive__<module path>.output names (no dims), as the dumper's "all" mode writes them for the
+    Megatron glm5_next model (decoder.layers.<i>...) and SGLang's (model.layers.<i>...), at tp 1."""
+    ckpt, seqs, prompts, path = tiny
+    cap = capture_train(load_model(ckpt, torch.float32, "cpu"), seqs)
+    folder = write_trainer_dump(cap, tmp_path, tp=1, sequence_parallel=False, micro_batches=1)
+    renamed = {"attn_output": "non_intrusive__module.module.decoder.layers.{}.self_attention.output.0",
+               "pre_mlp_layernorm_output": "non_intrusive__module.module.decoder.layers.{}.pre_mlp_layernorm.output"}
+    for f in list(folder.glob("*.pt")):
+        data = torch.load(f, weights_only=True)
+        name = data["meta"]["name"]
+        if name in renamed:
+            layer = data["meta"]["layer_id"]
+            data["meta"].pop("dims")
+            new = renamed[name].format(layer)
+            data["meta"]["name"] = new
+            torch.save(data, folder / f.name.replace(f"name={name}", f"name={new}"))
+            f.unlink()
+    extra = folder / "step=0___rank=0___dump_index=999___name=non_intrusive__module.module.embedding.output___recompute_status=disabled.pt"
+    torch.save({"value": torch.zeros(3), "meta": {"name": "x"}}, extra)
+    dump = read_framework_dump(folder)
+    for site in ("attn_out", "mlp_in"):
+        torch.testing.assert_close(dump.capture.tensors[(1, site)], cap.tensors[(1, site)], rtol=0, atol=0)
+    assert any("1 module inputs/outputs" in n for n in dump.not_read)

@@ -348,8 +348,37 @@ class FrameworkDump:
         return self.capture.manifest
 
 
+# The dumper's non-intrusive "all" mode names module outputs by their path:
+# `non_intrusive__<module path>.output` (`.output.<i>` for a tuple of several tensors). These are the
+# paths of the Megatron glm5_next model (HyperConnectionTransformerLayer under decoder.layers) and of
+# SGLang's glm5_next.py (Glm5NextDecoderLayer under model.layers) whose outputs are glmkit sites.
+# They carry no dims: read at tensor parallel size 1 (ranks holding different values are refused).
+MODULE_OUTPUTS = [
+    (re.compile(r"(?:.*\.)?decoder\.layers\.(\d+)\.input_layernorm\.output"), "attn_in"),
+    (re.compile(r"(?:.*\.)?decoder\.layers\.(\d+)\.self_attention\.output(?:\.0)?"), "attn_out"),
+    (re.compile(r"(?:.*\.)?decoder\.layers\.(\d+)\.pre_mlp_layernorm\.output"), "mlp_in"),
+    (re.compile(r"(?:.*\.)?decoder\.layers\.(\d+)\.mlp\.output(?:\.0)?"), "mlp_out"),
+    (re.compile(r"(?:.*\.)?decoder\.layers\.(\d+)\.output(?:\.0)?"), "streams_after_ffn"),
+    (re.compile(r"(?:.*\.)?decoder\.final_layernorm\.output"), "final_hidden"),
+    (re.compile(r"(?:.*\.)?model\.layers\.(\d+)\.self_attn\.output(?:\.0)?"), "attn_out"),
+    (re.compile(r"(?:.*\.)?model\.layers\.(\d+)\.mlp\.output(?:\.0)?"), "mlp_out"),
+    (re.compile(r"(?:.*\.)?model\.layers\.(\d+)\.mlp\.topk\.output\.1"), "router_experts"),
+    (re.compile(r"(?:.*\.)?model\.layers\.(\d+)\.mlp\.topk\.output\.0"), "router_weights"),
+]
+NON_INTRUSIVE = "non_intrusive__"
+
+
 def _site_of(name: str, layer):
-    """dump name (and layer) -> (layer, glmkit site), or None."""
+    """dump name (and layer: the dump's layer_id, global) -> (layer, glmkit site), or None."""
+    if name.startswith(NON_INTRUSIVE):
+        path = name[len(NON_INTRUSIVE):]
+        for pattern, site in MODULE_OUTPUTS:
+            m = pattern.fullmatch(path)
+            if m:
+                if site == "final_hidden":
+                    return None, site
+                return (layer if layer is not None else int(m.group(1))), site
+        return None
     if name == LAYER_INPUT:
         return None if layer is None or layer == 0 else (layer - 1, "streams_after_ffn")
     site = DUMP_SITES.get(name, name if name in set(DUMP_SITES.values()) else None)
@@ -382,7 +411,7 @@ def read_framework_dump(path) -> FrameworkDump:
         records += [_load(f) for f in files if f.name.startswith("step=")]
     engine_tag = {leaf: f"{leaf.name}/" if len(leaves) > 1 else "" for leaf in leaves}
     fields, sites = defaultdict(dict), defaultdict(list)
-    not_read, side = set(), None
+    not_read, side, other_modules = set(), None, 0
     for r in records:
         if r.tags.get("recompute_status") == "recompute":
             continue  # activation recompute dumps each site again: the original is kept
@@ -411,9 +440,14 @@ def read_framework_dump(path) -> FrameworkDump:
             continue
         target = _site_of(name, r.tags.get("layer_id"))
         if target is None or extra:
+            if name.startswith(NON_INTRUSIVE) and not extra:
+                other_modules += 1  # the "all" mode dumps every module: counted, not listed
+                continue
             not_read.add(name if not extra else f"{name} (tags {dict(extra)})")
             continue
         sites[(kind, target, step)].append(r)
+    if other_modules:
+        not_read.add(f"{NON_INTRUSIVE}* ({other_modules} module inputs/outputs that are no glmkit site)")
     where = str(root)
     batch = {step: {name: _unshard(recs, f"{where}: {name} at step {step[1]}") for name, recs in f.items()}
              for step, f in fields.items()}
@@ -473,6 +507,8 @@ def read_framework_dump(path) -> FrameworkDump:
             raise ValueError(f"{where}: {label} dumped {max(len(v) for v in by_rank.values())} times by one rank "
                              f"in one step; dump each site once per layer and step")
         value = _unshard(recs, f"{where}: {label}")
+        if not recs[0].meta.get("dims") and side == "trainer" and value.dim() >= 3 and value.shape[1] == 1:
+            value = value.squeeze(1)  # Megatron's sequence-first [s, 1, h] without dims: rows are tokens
         rows, row_starts = rows_of.get(step, (None, None))
         if rows is None or value.shape[0] != len(rows):
             raise ValueError(f"{where}: {label} has {value.shape[0]} token rows; the step's batch fields give "
