@@ -30,6 +30,10 @@ def test_every_dumped_name_is_one_the_reader_knows(side):
     names = pc.dump_names(SHIPPED[side])
     unknown = [n for n in names if n not in DUMP_SITES and n != LAYER_INPUT and n not in KNOWN_UNCOMPARED]
     assert not unknown, unknown
+    if side == "sglang-0.5.23":  # the release's residual objects hide the streams: routing and norm outputs
+        assert set(names) == {"moe_topk_ids", "moe_topk_weights", "moe_router_scores", "pre_mlp_layernorm_output",
+                              "final_hidden_states"}
+        return
     # the residual path on both sides, whole
     assert {"layer_input", "input_layernorm_output", "attn_output", "pre_mlp_residual", "pre_mlp_layernorm_output",
             "mlp_output", "layer_output", "mhc_attn_post", "mhc_attn_comb", "mhc_ffn_post", "mhc_ffn_comb",

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-SIDES = ("megatron", "sglang")
+SIDES = ("megatron", "sglang", "sglang-0.5.23")  # the engine: a newer SGLang (communicator_mhc), or the 0.5.23 release
 MODES = ("append", "prepend", "replacement")
 INJECTED = "dumper"  # `from sglang.srt.debug_utils.dumper import dumper`, added by the dumper to every patch
 _ASSETS = Path(__file__).resolve().parent.parent / "assets" / "dumper"
@@ -80,10 +80,11 @@ class DumpCall:
 
 
 def config_path(side: str) -> Path:
-    """The config glmkit ships for one side of the framework: "megatron" (trainer) or "sglang" (engine)."""
+    """The config glmkit ships for one side of the framework: "megatron" (trainer), "sglang" (engine, SGLang
+    with layers/communicator_mhc.py) or "sglang-0.5.23" (engine, the 0.5.23 release)."""
     if side not in SIDES:
         raise ValueError(f"side {side!r}: expected one of {', '.join(SIDES)}")
-    return _ASSETS / f"glm5_next_{side}.yaml"
+    return _ASSETS / f"glm5_next_{side.replace('-', '_')}.yaml"
 
 
 # --- loading ----------------------------------------------------------------------------------------------
