@@ -150,7 +150,7 @@ def write_trainer_dump(capture, folder, tp: int = 2, micro_batches: int = 2, seq
                        grads=None, param_grads=None, phase: str = "fwd_only", pad_to: int = 8,
                        recompute: bool = False):
     """The trainer side: `<phase>/rollout_0`, one step per micro-batch of packed sequences (THD, padded to
-    a multiple of `pad_to` as sequence parallelism needs), sequence-first `t 1 h` values, the sequence
+    a multiple of `pad_to` as miles' get_batch does, the padding one more cu_seqlens segment), sequence-first `t 1 h` values, the sequence
     split across tp ranks (`t[sp]`) under sequence parallelism, indexer_topk as absolute packed indices."""
     out = Path(folder) / phase / "rollout_0"
     ranks = [DumperFiles(out, r, tp, "megatron_parallel_info", megatron_info(r, tp, sequence_parallel))
@@ -161,9 +161,10 @@ def write_trainer_dump(capture, folder, tp: int = 2, micro_batches: int = 2, seq
     for step, group in enumerate(g for g in groups if g):
         rows = torch.cat([torch.arange(cu[i], cu[i + 1]) for i in group])
         lengths = [cu[i + 1] - cu[i] for i in group]
-        local_cu = torch.tensor([0] + lengths).cumsum(0).int()
         pad = (-len(rows)) % pad_to
-        starts = torch.repeat_interleave(local_cu[:-1].long(), torch.tensor(lengths))
+        # as miles' get_batch: the padding is one more cu_seqlens segment (of pad tokens)
+        local_cu = torch.tensor([0] + lengths + ([pad] if pad else [])).cumsum(0).int()
+        starts = torch.repeat_interleave(local_cu[:len(lengths)].long(), torch.tensor(lengths))
         fields = {"input_ids": torch.cat([capture.input_ids[rows], torch.zeros(pad, dtype=torch.long)])[None],
                   "position_ids": torch.cat([torch.cat([torch.arange(x) for x in lengths]),
                                              torch.zeros(pad, dtype=torch.long)])[None],

@@ -323,10 +323,17 @@ def _rows_of_step(fields: dict, step: int, where: str) -> tuple[list, list]:
     bounds = cu.reshape(-1).tolist() if cu is not None else [0, n]
     if bounds[0] != 0 or bounds[-1] > n or any(b > c for b, c in zip(bounds, bounds[1:])):
         raise ValueError(f"{where}: step {step}: cu_seqlens_q {bounds} does not fit its {n} tokens")
-    rows = [(f"step{step}-seq{j}", p) for j in range(len(bounds) - 1) for p in range(bounds[j + 1] - bounds[j])]
-    starts = [bounds[j] for j in range(len(bounds) - 1) for _ in range(bounds[j + 1] - bounds[j])]
-    # rows past the last sequence are the micro-batch's padding
-    return rows + [None] * (n - bounds[-1]), starts + [None] * (n - bounds[-1])
+    # miles pads the packed micro-batch with pad tokens and appends the padding to cu_seqlens as one more
+    # segment (miles/backends/training_utils/data.py, get_batch): a last segment of one repeated token
+    # after real sequences is that padding, not a sequence
+    flat = ids.reshape(-1).tolist()
+    segments = len(bounds) - 1
+    if segments > 1 and len(set(flat[bounds[-2]:bounds[-1]])) == 1:
+        segments -= 1
+    rows = [(f"step{step}-seq{j}", p) for j in range(segments) for p in range(bounds[j + 1] - bounds[j])]
+    starts = [bounds[j] for j in range(segments) for _ in range(bounds[j + 1] - bounds[j])]
+    # rows past the last sequence are padding
+    return rows + [None] * (n - bounds[segments]), starts + [None] * (n - bounds[segments])
 
 
 # --- the dump as a capture ------------------------------------------------------------------------------------
