@@ -95,6 +95,8 @@ def _shards(site: str, value: torch.Tensor, tp: int, side: str, sharded: set):
         return f"t {extra[:-1]}h[attn_tp:partial] # dp:=attn_dp".replace("  ", " "), parts
     if site in sharded and site == "mlp_in" and value.dim() == 2:  # hidden split across tp
         return "t h[attn_tp] # dp:=attn_dp", list(value.chunk(tp, dim=-1))
+    if side == "engine" and site.startswith("streams_"):  # SGLang's residual: the n streams flat, [T, n*C]
+        return "t h # attn_tp:replicated dp:=attn_dp", [value.flatten(1)] * tp
     rest = f" {extra}" if extra else ""
     if side == "trainer":
         return f"t 1{rest} # tp:replicated", [value.unsqueeze(1)] * tp

@@ -116,8 +116,10 @@ def test_an_injected_divergence_is_named_with_the_side_that_departs(tiny, bad_si
     assert a.lengths == b.lengths and sorted(a.lengths) == sorted(len(s) - 1 for s in seqs)  # in A's order
     assert any("compared on the first" in w for w in result.warnings)
     # every layer's sites were compared; layer 0 attn_out was split across tp ranks on the engine
-    assert {(0, "attn_out"), (3, "indexer_topk"), (3, "router_experts"), (None, "final_hidden")} <= \
-        {(s.layer, s.site) for s in result.sites}
+    # (and the engine's streams dumped flat, [T, n*C], lined up with the trainer's [T, n, C])
+    assert {(0, "attn_out"), (0, "streams_after_ffn"), (3, "indexer_topk"), (3, "router_experts"),
+            (None, "final_hidden")} <= {(s.layer, s.site) for s in result.sites}
+    assert not [k for r in result.versus_third.values() for k in r.skipped_sites if "shapes" in k]
     earlier = [s for s in result.sites if s.layer is not None and s.layer < layer]
     assert earlier and not any(s.diverged for s in earlier)
 

@@ -83,8 +83,8 @@ def dump_parity(checkpoint, path_a: str, path_b: str, third: str = "reference", 
     and whether index differences are ties (candidate scores recomputed from the checkpoint on each
     side's own inputs where a dump lacks them). Gradients (a forward-backward phase) are compared the
     same way, in the backward order. -> (ParityResult with .departure / .gradients, capture_a, capture_b)."""
-    from glmkit.parity.departure import (GRADIENT_THRESHOLDS, align, departure, parameter_capture, rescore, restrict,
-                                         sequences_of)
+    from glmkit.parity.departure import (GRADIENT_THRESHOLDS, align, conform, departure, parameter_capture, rescore,
+                                         restrict, sequences_of)
 
     if third not in THIRD_PATHS:
         raise ValueError(f"third path {third!r}; allowed: {', '.join(THIRD_PATHS)}")
@@ -103,7 +103,7 @@ def dump_parity(checkpoint, path_a: str, path_b: str, third: str = "reference", 
         for cap in (cap_a, cap_b):
             cap.manifest.setdefault("index_kpool", model.config.index_kpool)  # pools: how ties are judged
             notes += [f"{cap.manifest['path']}: {n}" for n in rescore(cap, model)]
-    result = compare(cap_a, cap_b, dtype, thresholds)
+    result = compare(cap_a, cap_b, dtype, thresholds, skip_mismatched=True)
     result.warnings = notes + result.warnings
     for d in (da, db):
         if d.not_read:
@@ -120,7 +120,8 @@ def dump_parity(checkpoint, path_a: str, path_b: str, third: str = "reference", 
         if third == "train":
             ref.manifest["path"] = "train"
         rescore(ref, model)
-        a_ref, b_ref = compare(cap_a, ref, dtype, thresholds), compare(cap_b, ref, dtype, thresholds)
+        a_ref, b_ref = (compare(conform(cap, ref), ref, dtype, thresholds, skip_mismatched=True)
+                        for cap in (cap_a, cap_b))
         result.departure = departure(a_ref, b_ref, result)
         result.versus_third = {"a": a_ref, "b": b_ref}
     ga, gb = align(da.grads, db.grads)[:2] if da.grads.tensors and db.grads.tensors else (None, None)

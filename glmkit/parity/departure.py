@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from glmkit.model.sites import INDEX_SITES
+from glmkit.model.sites import AUX_SITES, INDEX_SITES
 from glmkit.parity.compare import ParityResult, site_order
 from glmkit.parity.dump import Capture
 
@@ -87,12 +87,25 @@ def align(a: Capture, b: Capture) -> tuple[Capture, Capture, list[str]]:
     sequences = [seqs_a[i][:n] for i, _, n in pairs]
     out_a = _gather(a, rows_a, sequences, dict(a.manifest, aligned_sequences=[i for i, _, _ in pairs]))
     out_b = _gather(b, rows_b, sequences, dict(b.manifest, aligned_sequences=[j for _, j, _ in pairs]))
-    for key in set(out_a.tensors) & set(out_b.tensors):
-        ta, tb = out_a.tensors[key], out_b.tensors[key]
-        if ta.shape != tb.shape and ta.shape[0] == tb.shape[0] and ta[0].numel() == tb[0].numel() \
-                and key[1] not in INDEX_SITES:
-            out_b.tensors[key] = tb.reshape(ta.shape)
+    conform(out_b, out_a)
     return out_a, out_b, notes
+
+
+def conform(capture: Capture, like: Capture) -> Capture:
+    """Value rows laid out as `like`'s where only the layout differs ([n*C] vs [n, C], a squeezed 1), so
+    the two compare element by element. In place; -> capture."""
+    for key in set(capture.tensors) & set(like.tensors):
+        t, ref = capture.tensors[key], like.tensors[key]
+        if key[1] in AUX_SITES and t.dim() == ref.dim() == 2 and t.shape[1] != ref.shape[1]:
+            # candidate scores of the pools seen so far: each side padded to the longest sequence it holds
+            width = max(t.shape[1], ref.shape[1])
+            for c, v in ((capture, t), (like, ref)):
+                c.tensors[key] = torch.nn.functional.pad(v, (0, width - v.shape[1]), value=float("-inf"))
+            continue
+        if t.shape != ref.shape and t.shape[0] == ref.shape[0] and t[0].numel() == ref[0].numel() \
+                and key[1] not in INDEX_SITES:
+            capture.tensors[key] = t.reshape(ref.shape)
+    return capture
 
 
 def restrict(capture: Capture, sequences: list) -> Capture:

@@ -15,9 +15,13 @@ engine's `input_ids`, `positions`, `seq_lens` and `rids` (or `req_pool_indices`)
 `input_ids` and `cu_seqlens_q`. Every token row becomes (request, position), so any number of
 sequences, prefill and decode steps line up with a path that ran the sequences whole.
 
+Data-parallel ranks (SGLang's DP attention) each run their own requests: each is read as its own stream
+of steps. The trainer's micro-batch padding (miles appends it to cu_seqlens as one more segment of one
+repeated pad token) is dropped. The "all" non-intrusive mode's module outputs
+(`non_intrusive__<module path>.output`) are read by the glm5_next module paths in MODULE_OUTPUTS.
+
 Files are read with `torch.load(weights_only=True)`: a dump holding anything else is refused by name.
-Not handled (refused by name): context parallelism (`cp` size > 1, zigzag), a token dim split across
-data-parallel ranks other than the dumper's one-non-empty-rank rule.
+Not handled (refused by name): context parallelism (`cp` size > 1, zigzag).
 """
 
 from __future__ import annotations
