@@ -115,7 +115,7 @@ class Glm5NextKDA(nn.Module):
 
 class Glm5NextKDAAttention(nn.Module):
     # MILES@31f1ca96 miles_plugins/models/hf_attention.py:175-281 (HuggingfaceAttention.forward): all-gather
-    # SP (:189), [s,b,h] -> [b,s,h] (:247), core at self_attention.kda, back (:252), scatter SP (:277)
+    # SP (:198), [s,b,h] -> [b,s,h] (:247), core at self_attention.kda, back (:252), scatter SP (:277)
     def __init__(self, sp_world=1):
         super().__init__()
         self.kda, self.sp_world = Glm5NextKDA(), sp_world
@@ -236,26 +236,29 @@ class HyperConnectionTransformerLayer(nn.Module):
 
 class TransformerBlock(nn.Module):
     # MG megatron/core/transformer/transformer_block.py: layers, input_expand (hyper_connection.py:670),
-    # output contraction (miles patches it to the stream mean), final_layernorm (:395, :536)
-    def __init__(self, specs, first_layer=0, sp_world=1):
+    # output contraction (miles patches it to the stream mean), final_layernorm (:395, :536; None off the
+    # last pipeline stage, :412)
+    def __init__(self, specs, first_layer=0, sp_world=1, final=True):
         super().__init__()
         self.layers = nn.ModuleList(HyperConnectionTransformerLayer(first_layer + i + 1, a, m == "moe", sp_world)
                                     for i, (a, m) in enumerate(specs))
-        self.final_layernorm = TENorm()
+        self.final_layernorm = TENorm() if final else None
 
     def forward(self, hidden_states, attention_mask=None, packed_seq_params=None):
         s, b, _ = hidden_states.shape
         x = hidden_states.unsqueeze(2).expand(s, b, NS, C).reshape(s, b, NS * C)
         for layer in self.layers:
             x, _ = layer(x, attention_mask=attention_mask, packed_seq_params=packed_seq_params)
+        if self.final_layernorm is None:
+            return x
         return self.final_layernorm(x.view(s, b, NS, C).mean(2))
 
 
 class GPTModel(nn.Module):
-    def __init__(self, specs, first_layer=0, sp_world=1, sp_rank=0):
+    def __init__(self, specs, first_layer=0, sp_world=1, sp_rank=0, final=True):
         super().__init__()
         self.embedding = nn.Embedding(VOCAB, C)
-        self.decoder = TransformerBlock(specs, first_layer, sp_world)
+        self.decoder = TransformerBlock(specs, first_layer, sp_world, final)
         self.sp = (sp_rank, sp_world)
 
     def forward(self, input_ids, position_ids=None, attention_mask=None, packed_seq_params=None):
@@ -318,7 +321,8 @@ def test_megatron_names_give_every_site_in_token_rows():
     assert set(cap.tensors) == ({(i, s) for i in range(3) for s in PER_LAYER} | {(i, s) for i in (0, 2) for s in MOE}
                                 | {(0, "indexer_topk"), (None, "final_hidden")})
     assert all(t.shape[0] == T for t in cap.tensors.values())
-    assert cap.tensors[(1, "streams_after_ffn")].shape == (T, NS, C) and cap.tensors[(0, "attn_hc.comb")].shape == (T, NS, NS)
+    assert cap.tensors[(1, "streams_after_ffn")].shape == (T, NS, C)
+    assert cap.tensors[(0, "attn_hc.comb")].shape == (T, NS, NS)
     # the dense layer's pre_mlp_layernorm is IdentityOp: listed, not captured as the un-normed input
     assert "mlp_in (layer 1)" in cap.manifest["not_captured"] and "indexer_scores" in cap.manifest["not_captured"]
     # every row is its own token's: the batch (two sequences, padded) equals each sequence alone
@@ -328,15 +332,15 @@ def test_megatron_names_give_every_site_in_token_rows():
 
 
 def test_megatron_comb_is_glmkit_orientation():
-    cap = capture_megatron(megatron(), sequences(), indexer_width=5)
-    t = cap.tensors
+    model = megatron()
+    t = capture_megatron(model, sequences(), indexer_width=5).tensors
     for layer in (1, 2):
         before = t[(layer - 1, "streams_after_ffn")]
         expanded = mhc.expand(t[(layer, "attn_out")], before, t[(layer, "attn_hc.post")], t[(layer, "attn_hc.comb")])
         torch.testing.assert_close(expanded, t[(layer, "streams_after_attn")])
         aggregated = mhc.collapse(before, t[(layer, "attn_hc.pre")])
-        torch.testing.assert_close(_rms(aggregated, megatron().module.module.decoder.layers[layer].input_layernorm.weight),
-                                   t[(layer, "attn_in")])
+        norm = model.module.module.decoder.layers[layer].input_layernorm
+        torch.testing.assert_close(_rms(aggregated, norm.weight), t[(layer, "attn_in")])
 
 
 def test_megatron_router_ids_and_weights_from_routing_map():
@@ -388,11 +392,24 @@ def test_pipeline_stage_layer_offset():
     stage = megatron(SPECS[1:], first_layer=1)  # global layers 1, 2 held as decoder.layers.0, .1
     assert layers(capture_megatron(stage, seqs)) == [1, 2, None]
     assert layers(capture_megatron(stage, seqs, layer_offset=1)) == [1, 2, None]
-    with pytest.raises(ValueError, match="layer_offset 3 \\+ local index 0 = 3, but the module's layer_number says layer 1"):
+    with pytest.raises(ValueError, match=r"layer_offset 3 \+ local index 0 = 3, but the module's layer_number says "
+                                         r"layer 1"):
         capture_megatron(stage, seqs, layer_offset=3)
     for layer in stage.module.module.decoder.layers:  # no layer_number: the offset alone places them
         del layer.layer_number
     assert layers(capture_megatron(stage, seqs, layer_offset=7)) == [7, 8, None]
+
+
+def test_virtual_pipeline_chunks_keep_their_own_layer_numbers():
+    # both chunks name their first layer module.module.decoder.layers.0; layer_number tells them apart
+    # (each toy chunk embeds the tokens itself, where a real later chunk takes the previous one's output)
+    seqs = sequences()
+    chunks = [megatron(SPECS[:1], final=False), megatron(SPECS[2:], first_layer=2, seed=1)]
+    ids, cu, tokens, fw_cu, psp = thd(seqs)
+    with torch.no_grad(), capture_live(chunks, "megatron", ids, cu, packed_cu_seqlens=fw_cu, indexer_width=5) as live:
+        for chunk in chunks:
+            chunk(tokens, None, None, packed_seq_params=psp)
+    assert layers(live.to_capture()) == [0, 2, None]
 
 
 def test_bshd_batch_rows_follow_input_order():
@@ -431,8 +448,12 @@ def _capture_on_rank(rank, world, port, out):
         cap = capture_megatron(model, sequences(), gather_tp=True, tp_group=dist.group.WORLD)
         if rank == 0:
             torch.save(cap.tensors, out)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
+    # past a clean destroy, the interpreter's own teardown in a spawned child under pytest aborts now and
+    # then ("terminate called without an active exception"): leave without it
+    os._exit(0)
 
 
 def test_sequence_parallel_shards_gathered_over_the_tp_group(tmp_path):

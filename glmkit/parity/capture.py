@@ -328,17 +328,15 @@ class HookCapturer:
         self.model, self.rows = model, rows or self._default_rows
         self.patterns = [(re.compile(p), taps) for p, taps in site_map.items()]
         self.layer_of = layer or (lambda name, module, m: int(m.group(1)) if m.groups() else None)
-        self.outputs, self.hooks, self.patched = {}, [], []
+        self.outputs, self.hooks, self.patched, self.modules = {}, [], [], {}
 
     @staticmethod
     def _default_rows(name, output):
         t = output[0] if isinstance(output, (tuple, list)) else output
         return t.reshape(-1, *t.shape[2:]) if t.dim() > 2 else t
 
-    def named_modules(self):
-        chunks = self.model if isinstance(self.model, (list, tuple)) else [self.model]
-        for chunk in chunks:
-            yield from chunk.named_modules()
+    def chunks(self) -> list:
+        return list(self.model) if isinstance(self.model, (list, tuple)) else [self.model]
 
     def put(self, layer, site, rows: torch.Tensor):
         """Add rows (the next tokens in order) to (layer, site)."""
@@ -346,13 +344,15 @@ class HookCapturer:
 
     def __enter__(self):
         try:
-            for name, module in self.named_modules():
-                for pattern, taps in self.patterns:
-                    m = pattern.search(name)
-                    if m:
-                        layer = self.layer_of(name, module, m)
-                        for tap in taps if isinstance(taps, (list, tuple)) else [taps]:
-                            self._attach(tap, layer, name, module)
+            for chunk in self.chunks():
+                self.modules = dict(chunk.named_modules())  # names repeat across chunks: look up in this one
+                for name, module in self.modules.items():
+                    for pattern, taps in self.patterns:
+                        m = pattern.search(name)
+                        if m:
+                            layer = self.layer_of(name, module, m)
+                            for tap in taps if isinstance(taps, (list, tuple)) else [taps]:
+                                self._attach(tap, layer, name, module)
         except BaseException:
             self.__exit__()
             raise

@@ -360,7 +360,7 @@ class LiveCapture(HookCapturer):
             raise ValueError(f"cu_seqlens ends at {int(self.cu_seqlens[-1])}, input_ids has {self.input_ids.numel()}")
         self.layer_offset, self.gather_tp, self.tp_group = layer_offset, gather_tp, tp_group
         self.indexer_width, self.manifest = indexer_width, manifest
-        self.skipped, self.forward_rows, self.modules = {}, None, {}
+        self.skipped, self.forward_rows = {}, None
         if layout not in ("thd", "bshd"):
             raise ValueError(f"layout {layout!r}: expected 'thd' (packed, b=1) or 'bshd' (one sequence per batch row)")
         self.layout = layout
@@ -380,7 +380,8 @@ class LiveCapture(HookCapturer):
             self.batch = len(self.lengths)
             self.seq_len = padded_len or max(self.lengths)
             if self.seq_len < max(self.lengths):
-                raise ValueError(f"padded_len {self.seq_len} is shorter than the longest sequence ({max(self.lengths)})")
+                raise ValueError(f"padded_len {self.seq_len} is shorter than the longest sequence "
+                                 f"({max(self.lengths)})")
             self.fw_cu = None
             starts = [n * self.seq_len for n in range(self.batch)]
         self.token_rows = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, self.lengths)])
@@ -400,10 +401,6 @@ class LiveCapture(HookCapturer):
                              f"module's {self.sites.layer_attr} says layer {int(given) - self.sites.layer_base}")
         return layer
 
-    def __enter__(self):
-        self.modules = dict(self.named_modules())
-        return super().__enter__()
-
     # reporting -------------------------------------------------------------------------------------------
     def skip(self, layer, site, why: str):
         self.skipped.setdefault(site, {})[layer] = why
@@ -419,8 +416,9 @@ class LiveCapture(HookCapturer):
         """t [rows, ...] as the whole batch: all-gathered over the TP group if it is a shard (rows split
         over tensor / sequence-parallel ranks), all-reduced if a partial sum; else refused."""
         if t.shape[0] > full:
-            raise ValueError(f"{self.framework} module '{name}' gave {site} with {t.shape[0]} token rows, more than the "
-                             f"{full} the layout holds (pass the framework's padded packed_cu_seqlens / padded_len)")
+            raise ValueError(f"{self.framework} module '{name}' gave {site} with {t.shape[0]} token rows, more than "
+                             f"the {full} the layout holds (pass the framework's padded packed_cu_seqlens / "
+                             f"padded_len)")
         shard = t.shape[0] < full
         if not shard and partial_over == 1:
             return t
@@ -453,8 +451,8 @@ class LiveCapture(HookCapturer):
     def seq_first(self, layer, site, t: torch.Tensor, name: str):
         """Megatron [s, b, ...] (sequence-first; s may be a TP/SP shard) -> capture token rows."""
         if t.dim() < 2 or t.shape[1] != self.batch:
-            raise ValueError(f"megatron module '{name}' gave {site} of shape {list(t.shape)}: expected [s, b={self.batch}, "
-                             f"...] for layout {self.layout!r}")
+            raise ValueError(f"megatron module '{name}' gave {site} of shape {list(t.shape)}: expected "
+                             f"[s, b={self.batch}, ...] for layout {self.layout!r}")
         t = self._full_rows(t.detach(), self.seq_len, name, site)
         rows = t.transpose(0, 1).reshape(self.batch * self.seq_len, *t.shape[2:])  # batch-major: input order
         self.put(layer, site, rows[self.token_rows.to(rows.device)])
@@ -484,8 +482,8 @@ class LiveCapture(HookCapturer):
 
     def to_capture(self, **manifest) -> Capture:
         """The capture of what ran inside the `with` block: every site reported, in token order."""
-        runtime = {f"{site} ({', '.join('final' if k is None else f'layer {k}' for k in layers)})": next(iter(layers.values()))
-                   for site, layers in self.skipped.items()}
+        runtime = {f"{site} ({', '.join('final' if k is None else f'layer {k}' for k in layers)})":
+                   next(iter(layers.values())) for site, layers in self.skipped.items()}
         return super().to_capture(self.input_ids, self.cu_seqlens, path=self.framework,
                                   not_captured={**self.sites.not_captured, **runtime},
                                   **{**self.manifest, **manifest})
