@@ -11,7 +11,6 @@ back is exact to ~1e-7; an injected divergence (a weight scaled by 1.1) moves it
 from __future__ import annotations
 
 import json
-import pickle
 import re
 from pathlib import Path
 

@@ -84,7 +84,7 @@ def dump_parity(checkpoint, path_a: str, path_b: str, third: str = "reference", 
     side's own inputs where a dump lacks them). Gradients (a forward-backward phase) are compared the
     same way, in the backward order. -> (ParityResult with .departure / .gradients, capture_a, capture_b)."""
     from glmkit.parity.departure import (GRADIENT_THRESHOLDS, align, conform, departure, parameter_capture, rescore,
-                                         restrict, sequences_of)
+                                         sequences_of)
 
     if third not in THIRD_PATHS:
         raise ValueError(f"third path {third!r}; allowed: {', '.join(THIRD_PATHS)}")
@@ -124,10 +124,9 @@ def dump_parity(checkpoint, path_a: str, path_b: str, third: str = "reference", 
                         for cap in (cap_a, cap_b))
         result.departure = departure(a_ref, b_ref, result)
         result.versus_third = {"a": a_ref, "b": b_ref}
+    # gradients sit on the same rows as the values: the same alignment
     ga, gb = align(da.grads, db.grads)[:2] if da.grads.tensors and db.grads.tensors else (None, None)
     if ga is not None:
-        ga = restrict(ga, sequences) if sequences_of(ga) != sequences else ga
-        gb = restrict(gb, sequences) if sequences_of(gb) != sequences else gb
         result.gradients = compare(ga, gb, dtype, {**GRADIENT_THRESHOLDS[dtype], **(thresholds or {})},
                                    backward=True, skip_mismatched=True)
         result.gradients.warnings.insert(0, "loss: the framework's own training loss of the dumped step (a "

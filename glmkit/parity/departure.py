@@ -108,19 +108,6 @@ def conform(capture: Capture, like: Capture) -> Capture:
     return capture
 
 
-def restrict(capture: Capture, sequences: list) -> Capture:
-    """`capture` on `sequences`, each a prefix of one of its own (the aligned input of a comparison)."""
-    own, starts = sequences_of(capture), capture.cu_seqlens.tolist()
-    rows, used = [], set()
-    for s in sequences:
-        j = next((j for j, o in enumerate(own) if j not in used and o[:len(s)] == s), None)
-        if j is None:
-            raise ValueError(f"{capture.manifest.get('path')}: holds no sequence starting with the {len(s)} tokens given")
-        used.add(j)
-        rows.append(torch.arange(starts[j], starts[j] + len(s)))
-    return _gather(capture, torch.cat(rows), sequences, dict(capture.manifest))
-
-
 @torch.no_grad()
 def rescore(capture: Capture, model) -> list[str]:
     """Fill the candidate scores a capture lacks from glmkit's model of the checkpoint, on the capture's

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from glmkit.parity.dump import Capture, input_hash
+from glmkit.parity.dump import Capture
 
 # The dump names glmkit reads, each a glmkit site (glmkit.model.sites). Names the framework's patcher
 # configs already use for a site keep that name (layer_input, attn_output, pre_mlp_residual,
@@ -501,13 +501,11 @@ def read_framework_dump(path) -> FrameworkDump:
     param_grads = {}
     for key, recs in sites.items():
         if key[0] == "param_grad":
-            ranks = {r.tags["rank"] for r in recs}
             try:
                 param_grads[key[1]] = _unshard(recs, f"{where}: grad__param__{key[1]}")
             except ValueError:  # sharded without dims: each rank's piece compared on its own
                 for r in recs:
                     param_grads[f"{key[1]} (rank {r.tags['rank']})"] = r.value
-            del ranks
             continue
         kind, (layer, site), step = key
         label = f"{'grad of ' if kind == 'grad' else ''}{site} layer {layer} step {step[1]}"
