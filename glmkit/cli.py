@@ -542,7 +542,9 @@ def cmd_serve(args) -> int:
         raise ValueError(f"--max-context must be >= 2, got {args.max_context}")
     serve(args.checkpoint, args.host, args.port, args.device, args.dtype, _backends(args), args.tokenizer,
           args.max_batch_size, args.allow_updates_from, on_ready=lambda line: print(line, flush=True),
-          max_context=args.max_context, prefill_chunk=args.prefill_chunk)
+          max_context=args.max_context, prefill_chunk=args.prefill_chunk, max_body=args.max_body_bytes,
+          served_model_name=args.served_model_name, enable_memory_saver=args.enable_memory_saver,
+          seed=args.random_seed)
     return 0
 
 
@@ -848,6 +850,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prefill joining prompts at most TOKENS a decode step (default: whole prompts at once)")
     p.add_argument("--allow-updates-from", action="append", default=[], metavar="DIR",
                    help="/update_weights_from_disk may read directories under DIR (repeatable; default: none)")
+    p.add_argument("--max-body-bytes", type=_positive, default=1 << 30,
+                   help="largest request body accepted (larger ones get 413; default 1 GiB)")
+    p.add_argument("--served-model-name", help="the name /v1/models and /server_info report (default: the checkpoint)")
+    p.add_argument("--enable-memory-saver", action="store_true",
+                   help="report SGLang's memory saver as on in /server_info (the framework compares it with its "
+                        "--offload-rollout); glmkit keeps its memory either way")
+    p.add_argument("--random-seed", type=int, default=0, help="seeds requests that give no sampling_seed")
     _backend_arguments(p)
     p.set_defaults(func=cmd_serve)
 

@@ -239,7 +239,10 @@ class SlotBatch:
     `step` advances every occupied slot by one token (the slots of the step's bucket run, static
     shapes per bucket; a free slot among them computes on a dummy token at position 0); `finished`
     hands back the completions that ended (stop token, their own length limit, or `cancelled(tag)`).
-    One sampling setup for all requests; the host reads the sampled tokens once per step.
+    One sampling setup for all requests (`params`), or, with `sampler`, each request its own: the
+    sampler's `choose(logits, tags, outputs) -> (tokens, log-probs)` draws the rows' tokens and its
+    `finish(tag, output) -> bool` says whether a request stops on its last token (glmkit serve's
+    per-request SGLang sampling). The host reads the sampled tokens once per step.
 
     Steps run over the first `bucket` slots only, the smallest of 1, 2, 4, ... (and `slots`) that
     holds every request: when requests leave and the occupied count fits a smaller bucket, the
@@ -258,7 +261,8 @@ class SlotBatch:
 
     def __init__(self, engine: RolloutEngine, slots: int, capacity: int, params: SamplingParams, seed: int = 0,
                  record_routing: bool = False, record_topk: bool = False, cancelled=None,
-                 graphs: bool | None = None, prefill_chunk: int | None = None, prefill_rows: int = 8):
+                 graphs: bool | None = None, prefill_chunk: int | None = None, prefill_rows: int = 8,
+                 sampler=None):
         if prefill_chunk is not None and prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1 token (None: whole prompts), got {prefill_chunk}")
         if prefill_rows < 1:
@@ -275,6 +279,7 @@ class SlotBatch:
         self.owner = [None] * slots  # (tag, Completion, limit) per slot, None when free
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.stop = set(params.stop_token_ids)
+        self.sampler = sampler
         self.wanted = _recorded_sites(record_routing, record_topk)
         self.ended = []
         self.prefill_chunk = prefill_chunk
@@ -419,18 +424,43 @@ class SlotBatch:
             self.owner[hole], self.owner[mover] = self.owner[mover], None
         return [s for s, o in enumerate(self.owner) if o is not None]
 
+    def evict_all(self) -> list:
+        """Take every request out of the batch as it stands -> [(tag, Completion)] (records closed, slots
+        freed), requests still prefilling included with no tokens: SGLang's retraction, after which a
+        request is prefilled again (prompt + its tokens so far) to go on."""
+        out = []
+        for j in list(self.joining):
+            self._unstage(j)
+            _close_records(j.completion, self.wanted)
+            out.append((j.tag, j.completion))
+        for s, o in enumerate(self.owner):
+            if o is not None:
+                _close_records(o[1], self.wanted)
+                out.append((o[0], o[1]))
+                self.owner[s] = None
+                self.occupied[s], self.lengths[s] = False, 0
+        return out
+
+    def live(self) -> list:
+        """(tag, Completion) of every request holding a slot now."""
+        return [(o[0], o[1]) for o in self.owner if o is not None]
+
     def finished(self) -> list:
         """(tag, Completion) of every request that ended since the last call."""
         out, self.ended = self.ended, []
         return out
 
     def _take(self, logits, where):
-        tokens, logprobs = _host_tokens(*sample(logits, self.params, self.generator))
+        if self.sampler is None:
+            tokens, logprobs = _host_tokens(*sample(logits, self.params, self.generator))
+        else:
+            tokens, logprobs = self.sampler.choose(logits, [self.owner[s][0] for s in where],
+                                                   [self.owner[s][1].tokens for s in where])
         for s, token, logprob in zip(where, tokens, logprobs):
             tag, c, limit = self.owner[s]
             c.tokens.append(token)
             c.logprobs.append(logprob)
-            if token in self.stop:
+            if token in self.stop if self.sampler is None else self.sampler.finish(tag, c.tokens):
                 c.finish_reason = "stop"
             elif self.cancelled is not None and self.cancelled(tag):
                 c.finish_reason = "abort"

@@ -159,31 +159,36 @@ def capture_sglang(url: str, sequences, model_config, **manifest) -> Capture:
     max_new_tokens 0, logprob_start_len 0, routed experts and DSA selections. Its sites: `logprobs`
     (row t: log-prob of token t+1; 0 on each sequence's last row), `router_experts` per MoE layer and
     `indexer_topk` per DSA layer (what the server reports; no hidden states)."""
-    from glmkit.serve.client import SGLangClient, decode_layers
+    from glmkit.serve.client import SGLangClient, decode_indexer_topk, decode_routed_experts, model_layers
 
     seqs = [list(map(int, s)) for s in sequences]
     input_ids, packed = pack(seqs)
     client = SGLangClient(url)
-    info = client.model_info()
+    info = {**client.server_info(), **client.model_info()}
     capture = Capture(input_ids, packed.cu_seqlens,
                       manifest=_manifest("sglang", model_config, info.get("dtype", "?"), info.get("device", "?"),
                                          server=url, weight_version=info.get("weight_version"), **manifest))
     sink = _Collector(capture, packed.num_tokens)
-    answers = client.generate(input_ids=seqs, sampling_params={"max_new_tokens": 0, "temperature": 1.0},
+    # SGLang reports routing for every token but the last it was sent: one token (0) more is sent, so
+    # that every token of the sequence has its row (causal: the extra one changes none of them)
+    answers = client.generate(input_ids=[s + [0] for s in seqs], sampling_params={"max_new_tokens": 0, "temperature": 1.0},
                               return_logprob=True, logprob_start_len=0, return_routed_experts=True,
                               return_indexer_topk=True)
+    num_layers, moe, dsa = model_layers(model_config)
     logprobs = torch.zeros(packed.num_tokens)
     for seq, (s, e), answer in zip(seqs, packed.bounds(), answers):
         meta = answer["meta_info"]
-        given = [lp for lp, _, _ in meta["input_token_logprobs"]]
+        given = [lp for lp, *_ in meta["input_token_logprobs"]][:len(seq)]
         if len(given) != len(seq):
             raise ValueError(f"{url}: {len(given)} input log-probs for a sequence of {len(seq)} tokens")
         logprobs[s:e - 1] = torch.tensor(given[1:], dtype=torch.float32)
         rows = torch.arange(s, e)
-        for key, site in (("routed_experts", "router_experts"), ("indexer_topk", "indexer_topk")):
-            if key in meta:
-                for layer, values in decode_layers(meta, key, len(seq)).items():
-                    sink.put(layer, site, values, rows)
+        if "routed_experts" in meta:
+            for layer, values in decode_routed_experts(meta, len(seq), num_layers, moe).items():
+                sink.put(layer, "router_experts", values, rows)
+        if "indexer_topk" in meta and dsa:
+            for layer, values in decode_indexer_topk(meta, len(seq), dsa).items():
+                sink.put(layer, "indexer_topk", values, rows)
     sink.put(None, "logprobs", logprobs)
     return capture
 

@@ -33,7 +33,7 @@ class SGLangClient:
         self.session = requests.Session()
         self.session.trust_env = False  # a proxy from the environment must not see loopback traffic
 
-    def _call(self, method: str, path: str, body: dict | None = None):
+    def _call(self, method: str, path: str, body: dict | None = None, json_answer: bool = True):
         where = f"{self.url}{path}"
         for attempt in range(self.retries + 1):
             try:
@@ -47,28 +47,36 @@ class SGLangClient:
                 raise SGLangError(f"{where}: connection failed or was lost after {attempt + 1} attempt(s) "
                                   f"({type(err).__name__}); is the server running?") from None
             if answer.status_code >= 400:
-                try:
-                    detail = answer.json().get("error", {}).get("message") or answer.text
-                except ValueError:
-                    detail = answer.text
-                raise SGLangError(f"{where}: HTTP {answer.status_code}: {str(detail)[:500]}")
+                raise SGLangError(f"{where}: HTTP {answer.status_code}: {error_text(answer)[:500]}")
+            if not json_answer:
+                return answer.text
             try:
                 return answer.json()
             except ValueError:
                 raise SGLangError(f"{where}: the answer is not JSON: {answer.text[:200]!r}") from None
         raise AssertionError("unreachable")
 
+    def _update(self, path: str, body: dict) -> dict:
+        """A weight-update call: SGLang answers {"success", "message"}; success false is an error."""
+        answer = self._call("POST", path, body)
+        if isinstance(answer, dict) and answer.get("success") is False:
+            raise SGLangError(f"{self.url}{path}: {answer.get('message')}")
+        return answer
+
     # ---- endpoints -----------------------------------------------------------------------------
     def health(self) -> bool:
-        self._call("GET", "/health")
+        self._call("GET", "/health", json_answer=False)
         return True
 
     def health_generate(self) -> bool:
-        self._call("GET", "/health_generate")
+        self._call("GET", "/health_generate", json_answer=False)
         return True
 
     def model_info(self) -> dict:
         return self._call("GET", "/get_model_info")
+
+    def server_info(self) -> dict:
+        return self._call("GET", "/get_server_info")
 
     def generate(self, input_ids=None, text=None, sampling_params: dict | list | None = None, **options):
         """One input (a token list or a string) or a batch (a list of them) -> one answer or a list.
@@ -77,11 +85,11 @@ class SGLangClient:
                                       **options).items() if v is not None}
         return self._call("POST", "/generate", body)
 
-    def flush_cache(self) -> dict:
-        return self._call("POST", "/flush_cache")
+    def flush_cache(self) -> str:
+        return self._call("POST", "/flush_cache", json_answer=False)
 
     def abort(self, rid: str | None = None, abort_all: bool = False) -> dict:
-        return self._call("POST", "/abort_request", {"rid": rid, "abort_all": abort_all})
+        return self._call("POST", "/abort_request", {"rid": rid or "", "abort_all": abort_all}, json_answer=False)
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
         """SGLang's `/get_weights_by_name`: the tensor's first `truncate_size` rows as float32 nested lists."""
@@ -92,28 +100,28 @@ class SGLangClient:
         from safetensors.torch import save
 
         blob = save({name: t.detach().to("cpu").contiguous() for name, t in tensors.items()})
-        return self._call("POST", "/update_weights_from_tensor", {
+        return self._update("/update_weights_from_tensor", {
             "serialized_named_tensors": [base64.b64encode(blob).decode("ascii")], "load_format": "safetensors",
             "weight_version": weight_version})
 
     def init_weights_update_group(self, master_address: str, master_port: int, world_size: int = 2,
                                   rank_offset: int = 1, backend: str = "gloo",
-                                  group_name: str = "weight_update_group", timeout_s: float = 300.0) -> dict:
-        """Make this process rank 0 of a new process group that the server joins (as the framework's
-        trainer does with SGLang), for `update_weights_from_distributed`. Both sides rendezvous at
-        master_address:master_port; this process's default torch.distributed group becomes that group."""
-        import datetime
+                                  group_name: str = "weight_update_group", timeout_s: float = 300.0):
+        """Host a weights-update group as the framework's trainer does (rank 0: its rendezvous store
+        at master_address:master_port, `PrefixStore(group_name)`, a named group outside this process's
+        default one) while the server joins it as `rank_offset`. -> the server's answer; the group is
+        kept for `update_weights_from_distributed`."""
         import threading
 
-        import torch.distributed as dist
+        from glmkit.serve.update_group import new_named_group
 
-        if dist.is_initialized():
-            raise ValueError("this process already has a torch.distributed group; one weights-update group each")
+        if getattr(self, "update_group", None) is not None:
+            raise ValueError(f"this client already holds the weights-update group {self.group_name!r}")
         answer, error = {}, []
 
         def ask():
             try:
-                answer.update(self._call("POST", "/init_weights_update_group", {
+                answer.update(self._update("/init_weights_update_group", {
                     "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
                     "world_size": world_size, "group_name": group_name, "backend": backend,
                     "timeout_s": timeout_s}))
@@ -122,47 +130,87 @@ class SGLangClient:
 
         asking = threading.Thread(target=ask)
         asking.start()
-        dist.init_process_group(backend, init_method=f"tcp://{master_address}:{master_port}", world_size=world_size,
-                                rank=0, timeout=datetime.timedelta(seconds=timeout_s))
+        try:
+            group = new_named_group(backend, master_address, master_port, world_size, 0, group_name, timeout_s)
+        except Exception:
+            asking.join()
+            if error:
+                raise error[0] from None
+            raise
         asking.join()
         if error:
-            dist.destroy_process_group()
+            import torch.distributed as dist
+
+            dist.destroy_process_group(group)
             raise error[0]
-        self.update_group = group_name
+        self.update_group, self.group_name, self.group_backend = group, group_name, backend
         return answer
 
     def update_weights_from_distributed(self, tensors: dict, weight_version: str | None = None) -> dict:
-        """Announce names, dtypes and shapes over HTTP and broadcast the tensors from rank 0 meanwhile."""
+        """Announce names, dtypes and shapes over HTTP and broadcast the tensors from rank 0 meanwhile,
+        one per name, in the announced order (the framework's way)."""
         import threading
 
         group = getattr(self, "update_group", None)
         if group is None:
             raise ValueError("call init_weights_update_group first")
-        from glmkit.rl.parallel import announce, collective_device, send_announced
+        from glmkit.rl.parallel import announce, send_announced
 
-        ordered, announced = announce(tensors, collective_device())
+        device = torch.device("cuda", torch.cuda.current_device()) if self.group_backend == "nccl" else "cpu"
+        ordered, announced = announce(tensors, device)
         names, dtypes, shapes = (list(column) for column in zip(*announced)) if announced else ([], [], [])
         answer, error = {}, []
 
         def ask():
             try:
-                answer.update(self._call("POST", "/update_weights_from_distributed", {
-                    "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group,
-                    "weight_version": weight_version}))
+                answer.update(self._update("/update_weights_from_distributed", {
+                    "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": self.group_name,
+                    "flush_cache": False, "weight_version": weight_version}))
             except Exception as err:  # noqa: BLE001 - re-raised below
                 error.append(err)
 
         asking = threading.Thread(target=ask)
         asking.start()
-        send_announced(ordered)
+        send_announced(ordered, group)
         asking.join()
         if error:
             raise error[0]
         return answer
 
+    def destroy_weights_update_group(self) -> dict:
+        import torch.distributed as dist
+
+        answer = self._update("/destroy_weights_update_group", {"group_name": self.group_name})
+        dist.destroy_process_group(self.update_group)
+        self.update_group = None
+        return answer
+
     def update_weights_from_disk(self, path: str | os.PathLike, weight_version: str | None = None) -> dict:
-        return self._call("POST", "/update_weights_from_disk", {"model_path": str(path),
-                                                               "weight_version": weight_version})
+        return self._update("/update_weights_from_disk", {"model_path": str(path), "weight_version": weight_version})
+
+    def pause_generation(self, mode: str = "retract") -> dict:
+        return self._call("POST", "/pause_generation", {"mode": mode})
+
+    def continue_generation(self) -> dict:
+        return self._call("POST", "/continue_generation", {})
+
+
+def error_text(answer) -> str:
+    """The reason in any of SGLang's error bodies: {"error": "..."}, {"error": {"message"}},
+    {"object": "error", "message"}, {"success": false, "message"}, or plain text."""
+    try:
+        body = answer.json()
+    except ValueError:
+        return answer.text
+    if isinstance(body, dict):
+        err = body.get("error")
+        if isinstance(err, dict):
+            return str(err.get("message") or err)
+        if err is not None:
+            return str(err)
+        if body.get("message") is not None:
+            return str(body["message"])
+    return answer.text
 
 
 def write_weights_dir(tensors: dict, root: str | os.PathLike, name: str) -> Path:
@@ -180,18 +228,38 @@ def write_weights_dir(tensors: dict, root: str | os.PathLike, name: str) -> Path
     return final
 
 
-def decode_layers(meta: dict, key: str, tokens: int) -> dict:
-    """meta_info's routed_experts / indexer_topk -> {layer: int64 tensor [tokens, width]}."""
-    layers = meta.get(f"{key}_layers")
-    if layers is None:
-        raise SGLangError(f"the answer's meta_info has {key} but not {key}_layers: glmkit needs the layer list "
-                          f"(glmkit serve sends it)")
-    flat = np.frombuffer(base64.b64decode(meta[key]), dtype=np.int32)
-    width = flat.size // max(1, tokens * len(layers))
-    if flat.size != tokens * len(layers) * width:
-        raise SGLangError(f"meta_info {key} holds {flat.size} values: not {tokens} tokens x {len(layers)} layers x k")
-    array = flat.reshape(tokens, len(layers), width)
-    return {int(layer): torch.from_numpy(array[:, i].astype("int64")) for i, layer in enumerate(layers)}
+def _rows_of(meta: dict, key: str, rows: int, layers_axis: int) -> np.ndarray:
+    flat = np.frombuffer(base64.b64decode(meta[key]), dtype="<i4")
+    per_row = rows * layers_axis
+    if per_row == 0 or flat.size % per_row:
+        raise SGLangError(f"meta_info {key} holds {flat.size} values: not {rows} tokens x {layers_axis} layers x k")
+    return flat.reshape(rows, layers_axis, flat.size // per_row)
+
+
+def decode_routed_experts(meta: dict, rows: int, num_layers: int, moe_layers) -> dict:
+    """SGLang's routed_experts (base64 int32 [rows, num_hidden_layers, k], dense layers' rows 0) ->
+    {MoE layer: int64 tensor [rows, k]}. rows = prompt + completion tokens - 1."""
+    array = _rows_of(meta, "routed_experts", rows, num_layers)
+    return {int(layer): torch.from_numpy(array[:, layer].astype("int64")) for layer in moe_layers}
+
+
+def decode_indexer_topk(meta: dict, rows: int, dsa_layers) -> dict:
+    """indexer_topk (base64 int32 [rows, indexer_topk_num_layers, width], sequence positions, -1 empty)
+    -> {DSA layer: int64 tensor [rows, width]}, the layers in model order."""
+    count = int(meta.get("indexer_topk_num_layers", len(dsa_layers)))
+    if count != len(dsa_layers):
+        raise SGLangError(f"meta_info indexer_topk_num_layers is {count}; the model has {len(dsa_layers)} DSA layers")
+    array = _rows_of(meta, "indexer_topk", rows, count)
+    return {int(layer): torch.from_numpy(array[:, i].astype("int64")) for i, layer in enumerate(dsa_layers)}
+
+
+def model_layers(config) -> tuple[int, list, list]:
+    """(num_hidden_layers, MoE layers, DSA layers) of a glm5_next text config."""
+    from glmkit.config import layer_kinds
+
+    moe = [i for i, t in enumerate(config.mlp_layer_types) if t == "sparse"]
+    dsa = [i for i, kind in enumerate(layer_kinds(config)) if kind == "dsa"]
+    return config.num_hidden_layers, moe, dsa
 
 
 class SGLangRollout:
@@ -226,25 +294,33 @@ class SGLangRollout:
     def generate(self, prompt_ids, params, seed: int):
         from glmkit.model.rollout import Completion
 
-        sampling = {"temperature": params.temperature, "top_p": params.top_p, "max_new_tokens": params.max_new_tokens,
-                    "stop_token_ids": list(params.stop_token_ids), "sampling_seed": seed}
-        if self.max_batch is None:  # glmkit serve states its limit; an SGLang server has none
-            self.max_batch = int(self.client.model_info().get("max_batch_size") or len(prompt_ids) or 1)
+        # the framework's sampling dict; each sequence its own seed (the framework: rollout seed + index)
+        sampling = [{"temperature": params.temperature, "top_p": params.top_p, "top_k": -1,
+                     "max_new_tokens": params.max_new_tokens, "stop": None,
+                     "stop_token_ids": list(params.stop_token_ids) or None, "skip_special_tokens": False,
+                     "no_stop_trim": True, "spaces_between_special_tokens": False,
+                     "sampling_seed": (seed * 1_000_003 + i) % (1 << 63)} for i in range(len(prompt_ids))]
+        if self.max_batch is None:  # SGLang's /server_info states max_running_requests (may be null)
+            self.max_batch = int(self.client.server_info().get("max_running_requests") or len(prompt_ids) or 1)
         answers = []
         for start in range(0, len(prompt_ids), self.max_batch):
             chunk = [list(map(int, p)) for p in prompt_ids[start:start + self.max_batch]]
-            answers += self.client.generate(input_ids=chunk, sampling_params=sampling, return_logprob=True,
-                                            return_routed_experts=True, return_indexer_topk=True)
+            answers += self.client.generate(input_ids=chunk, sampling_params=sampling[start:start + self.max_batch],
+                                            return_logprob=True, return_routed_experts=True, return_indexer_topk=True)
+        if self.policy is None:
+            raise ValueError("SGLangRollout needs the policy model (bind) to read the layers of routed experts")
+        num_layers, moe, dsa = model_layers(self.policy.config)
         completions = []
         for prompt, answer in zip(prompt_ids, answers):
             meta = answer["meta_info"]
-            tokens = list(answer["output_ids"])
-            fed = len(prompt) + len(tokens) - 1
-            routing = decode_layers(meta, "routed_experts", fed) if "routed_experts" in meta else {}
-            topk = ({k: v.to(torch.int32) for k, v in decode_layers(meta, "indexer_topk", fed).items()}
+            pairs = meta.get("output_token_logprobs") or []  # tokens as the framework reads them
+            tokens = [int(t) for _, t, *_ in pairs]
+            rows = len(prompt) + len(tokens) - 1
+            routing = decode_routed_experts(meta, rows, num_layers, moe) if "routed_experts" in meta else {}
+            topk = ({k: v.to(torch.int32) for k, v in decode_indexer_topk(meta, rows, dsa).items()}
                     if "indexer_topk" in meta else {})
             completions.append(Completion(prompt=list(map(int, prompt)), tokens=tokens,
-                                          logprobs=[lp for lp, _, _ in meta["output_token_logprobs"]],
+                                          logprobs=[float(lp) for lp, *_ in pairs],
                                           finish_reason=meta["finish_reason"]["type"], routing=routing, topk=topk))
         return completions
 
@@ -252,7 +328,7 @@ class SGLangRollout:
         """The trainer's model, whose base weights the LoRA adapters merge into (GRPOTrainer calls this).
         Syncs send the trainable tensors only: the server must hold the trainer's starting checkpoint."""
         self.policy = policy
-        version = self.client.model_info().get("weight_version", "default")
+        version = self.client.model_info().get("weight_version", "default")  # SGLang's live version
         if version != "default":
             import warnings
 

@@ -1,12 +1,18 @@
 """`glmkit serve`: glmkit's rollout engine behind SGLang's native HTTP API (FastAPI + uvicorn).
 
-Continuous batching (`Batcher`): one worker thread owns the model; requests with the same sampling
-setup share a `SlotBatch`, join it between decode steps while slots are free and leave it when they
-finish. Generation and weight updates never overlap.
+The framework's rollout, startup probe, weight sync and offload calls (see protocol.py and the README's
+endpoint table) are answered as SGLang answers them.
 
-Weight updates: `/update_weights_from_tensor` takes safetensors blobs (never pickle);
-`/update_weights_from_disk` reads only directories under the roots given with
-`--allow-updates-from` (a full checkpoint directory, or safetensors files of named tensors).
+Scheduling (`Batcher`): one worker thread owns the model. Every generating request, whatever its
+sampling settings, joins one `SlotBatch` between decode steps while slots are free and leaves it when
+it finishes (continuous batching; each request samples with its own settings and random stream).
+Requests with max_new_tokens 0 run as teacher-forced passes. Weight loads run on the worker between
+batches, or between steps while generation is paused; process-group rendezvous and the transfers of
+a distributed update run on threads of their own, so the engine keeps serving while they wait.
+
+Weight updates: tensors are checked (names, shapes, dtypes, finite values) before any is written, so
+a refused update leaves the weights as they were. `/update_weights_from_tensor` takes safetensors
+blobs (never pickle); `/update_weights_from_disk` reads only directories under `--allow-updates-from`.
 """
 
 from __future__ import annotations
@@ -14,282 +20,443 @@ from __future__ import annotations
 import asyncio
 import base64
 import itertools
+import json
 import socket
 import threading
+import time
+import uuid
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from starlette.requests import Request as HttpRequest  # module level: FastAPI reads the annotations by name
 
 from glmkit.serve import protocol
-from glmkit.serve.protocol import GenerateRequest
+from glmkit.serve.protocol import Input, RequestError
+from glmkit.serve.sampling import RequestSampler, RequestState
 
 DEFAULT_MAX_BATCH = 64
 DEFAULT_MAX_CONTEXT = 65536  # prompt + new tokens of one request: bounds what one request can allocate
+DEFAULT_MAX_BODY = 1 << 30  # bytes of one request body (a tensor update may be large)
 MAX_WEIGHT_ELEMENTS = 1 << 24  # /get_weights_by_name: one answer's floats (about 200 MB of JSON)
+HEALTH_TIMEOUT_S = 20.0  # SGLang's SGLANG_HEALTH_CHECK_TIMEOUT
+GROUP_TIMEOUT_S = 600.0  # rendezvous and transfers of a weights-update group, unless the body says timeout_s
+PAUSE_MODES = ("abort", "retract", "in_place")
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 
 
-def input_logprobs(logits: torch.Tensor, prompts, temperature: float) -> list[list]:
+class Request(RequestState):
+    """One input of a /generate call on its way through the engine."""
+
+    def __init__(self, inp: Input, seed: int, eos_ids, stop_window: int):
+        super().__init__(inp.sampling, seed, eos_ids, stop_window, inp.top_logprobs_num if inp.return_logprob else 0)
+        self.input, self.rid, self.prompt = inp, inp.rid, inp.prompt
+        self.future = None
+        self.chunks = None  # an asyncio.Queue of stream chunks (None: not streaming)
+        self.sent = 0  # output tokens already streamed
+        self.teacher = None  # {"input_logprobs": [...], "input_top": [...]} from the prefill
+        self.prior_logprobs = []  # of self.prior, the tokens before a retraction
+        self.retractions = 0
+        self.answer = None
+        self.started = time.time()
+
+    @property
+    def limit(self) -> int | None:
+        return self.sampling.max_new_tokens
+
+    @property
+    def fed_prompt(self) -> list:
+        """What a prefill takes: the prompt, and after a retraction the tokens generated so far."""
+        return self.prompt + self.prior if self.prior else self.prompt
+
+    @property
+    def remaining(self) -> int:
+        return self.limit - len(self.prior)
+
+    def whole(self, c):
+        """The completion as the client sees it: tokens from before a retraction, then the rest."""
+        if not self.prior:
+            return c
+        from glmkit.model.rollout import Completion
+
+        return Completion(prompt=list(self.prompt), tokens=self.prior + list(c.tokens),
+                          logprobs=self.prior_logprobs + list(c.logprobs), finish_reason=c.finish_reason,
+                          routing=c.routing, topk=c.topk)
+
+    def key(self):
+        """Requests that can share one batch: every generating request, or every teacher-forced one."""
+        return self.limit == 0
+
+
+def input_logprobs(logits: torch.Tensor, prompts, temperatures, top_nums=None) -> list[dict]:
     """Logits at every token of the packed prompts [T, V] -> per prompt, the log-prob of each token
-    given the ones before it under softmax(logits / temperature) (None for the first token)."""
-    logp = torch.log_softmax(logits.float().cpu() / (temperature or 1.0), -1)
+    given the ones before it under softmax(logits / temperature) (None for the first token), and the
+    top entries at each position where asked."""
     out, start = [], 0
-    for prompt in prompts:
+    logits = logits.float().cpu()
+    for i, (prompt, temperature) in enumerate(zip(prompts, temperatures)):
+        logp = torch.log_softmax(logits[start:start + len(prompt)] / (temperature or 1.0), -1)
         ids = torch.tensor(prompt)
-        out.append([None, *logp[start:start + len(prompt) - 1].gather(-1, ids[1:, None])[:, 0].tolist()])
+        picked = [None, *logp[:-1].gather(-1, ids[1:, None])[:, 0].tolist()]
+        entry = {"input_logprobs": picked}
+        k = (top_nums or [0] * len(prompts))[i]
+        if k:
+            values, idx = logp[:-1].topk(min(k, logp.shape[-1]))
+            entry["input_top"] = [None, *[[[float(v), int(t)] for v, t in zip(vs, ts)]
+                                         for vs, ts in zip(values.tolist(), idx.tolist())]]
+        out.append(entry)
         start += len(prompt)
     return out
 
 
-class BadRequest(ValueError):
-    """A request the server refuses (400), with the reason."""
-
-
-@dataclass
-class Pending:
-    prompt: list
-    params: protocol.SamplingParamsIn
-    rid: str
-    want_logprob: bool
-    logprob_start_len: int
-    want_routing: bool
-    want_topk: bool
-    future: asyncio.Future = None
-    answer: dict = field(default_factory=dict)
-    teacher: dict | None = None
-
-    def key(self):
-        """Requests that can share one batch of slots: lengths may differ (each leaves at its own)."""
-        p = self.params
-        return (p.temperature, p.top_p, p.max_new_tokens == 0, tuple(p.stop_token_ids), p.sampling_seed)
-
-
 class EngineService:
-    """The model, its engine and tokenizer, the weight version; every method runs on the worker."""
+    """The model, its engine, tokenizer and weight version; the methods that touch the model run on
+    the worker thread."""
 
     def __init__(self, model, backends=None, tokenizer=None, model_path: str = "", tokenizer_path: str = "",
                  max_batch: int = DEFAULT_MAX_BATCH, update_roots=(), max_context: int = DEFAULT_MAX_CONTEXT,
-                 prefill_chunk: int | None = None):
+                 prefill_chunk: int | None = None, eos_ids=(), server_args: dict | None = None, seed: int = 0):
         from glmkit.model import RolloutEngine
 
         self.model, self.engine = model, RolloutEngine(model, backends)
         self.tokenizer, self.model_path, self.tokenizer_path = tokenizer, model_path, tokenizer_path
         self.max_batch, self.max_context = max_batch, max_context
-        self.prefill_chunk = prefill_chunk  # SlotBatch's: prompts joining a running batch go in pieces
+        self.prefill_chunk = prefill_chunk
         self.update_roots = [Path(r).resolve() for r in update_roots]
         self.weight_version = "default"
         self.updates = 0
         self.batches_run = self.requests_run = 0
-        self.update_group = None
-        self.seeds = itertools.count(1)
+        self.groups = {}  # group name -> (ProcessGroup, backend)
+        self.seeds = itertools.count(seed * 1_000_003 + 1)
         config = model.config
+        self.num_layers = len(model.layers)
         self.moe_layers = [b.layer for b in model.layers if b.is_moe]
         self.dsa_layers = [b.layer for b in model.layers if b.kind == "dsa"]
+        self.top_k, self.index_topk = config.num_experts_per_tok, config.index_topk
         self.vocab_size = config.vocab_size
+        self.eos_ids = sorted(set(eos_ids))
+        self.sampler = RequestSampler(tokenizer)
+        self.server_args = server_args or {}
+        self.session_open = False
+        self.released = set()
 
     # ---- requests ------------------------------------------------------------------------------
-    def check_lengths(self, prompts, params):
-        for i, (p, sp) in enumerate(zip(prompts, params)):
-            if len(p) + sp.max_new_tokens > self.max_context:
-                raise BadRequest(f"input {i}: {len(p)} prompt tokens + max_new_tokens {sp.max_new_tokens} exceed this "
-                                 f"server's --max-context {self.max_context}")
+    def encode(self, texts: list[str]) -> list[list[int]]:
+        if self.tokenizer is None:
+            raise RequestError("this server has no tokenizer (start it with --tokenizer DIR); send input_ids")
+        return [self.tokenizer.encode(t) for t in texts]
 
-    def encode(self, request: GenerateRequest) -> list[list[int]]:
-        if request.text is not None:
-            if self.tokenizer is None:
-                raise BadRequest("this server has no tokenizer (start it with --tokenizer DIR); send input_ids")
-            texts = request.text if isinstance(request.text, list) else [request.text]
-            prompts = [self.tokenizer.encode(t) for t in texts]
-        else:
-            prompts = request.input_ids if request.batched else [request.input_ids]
-        if not prompts:
-            raise BadRequest("the batch is empty")
-        if len(prompts) > self.max_batch:
-            raise BadRequest(f"batch of {len(prompts)} inputs is larger than this server's --max-batch-size "
-                             f"{self.max_batch}")
-        for i, p in enumerate(prompts):
-            if len(p) == 0:
-                raise BadRequest(f"input {i} is empty")
-            bad = [t for t in p if t >= self.vocab_size]
-            if bad:
-                raise BadRequest(f"input {i} has token id {bad[0]} outside the vocabulary (size {self.vocab_size})")
-        return [list(map(int, p)) for p in prompts]
+    def requests(self, raw) -> tuple[protocol.Generate, list[Request]]:
+        gen = protocol.parse_generate(raw, self.vocab_size, self.encode, lambda: uuid.uuid4().hex)
+        if len(gen.inputs) > self.max_batch:
+            raise RequestError(f"batch of {len(gen.inputs)} inputs (n included) is larger than this server's "
+                               f"--max-batch-size {self.max_batch}")
+        out = []
+        for inp in gen.inputs:
+            s = inp.sampling
+            if s.stop and self.tokenizer is None:
+                raise RequestError("stop strings are unavailable without a tokenizer (start the server with "
+                                   "--tokenizer DIR), or use stop_token_ids")
+            if len(inp.prompt) >= self.max_context:
+                raise RequestError(f"The input ({len(inp.prompt)} tokens) is longer than the model's context length "
+                                   f"({self.max_context} tokens).")
+            if s.max_new_tokens is None:  # SGLang: unlimited, clamped to the context
+                import dataclasses
 
-    def run_prompt_only(self, items: list[Pending]) -> None:
+                inp.sampling = s = dataclasses.replace(s, max_new_tokens=self.max_context - len(inp.prompt))
+            if len(inp.prompt) + s.max_new_tokens > self.max_context:
+                raise RequestError(
+                    f"Requested token count exceeds the model's maximum context length of {self.max_context} tokens. "
+                    f"You requested a total of {len(inp.prompt) + s.max_new_tokens} tokens: {len(inp.prompt)} tokens "
+                    f"from the input messages and {s.max_new_tokens} tokens for the completion.")
+            seed = s.sampling_seed if s.sampling_seed is not None else next(self.seeds)
+            out.append(Request(inp, seed, self.eos_ids, self.sampler.stop_window(s)))
+        return gen, out
+
+    def run_prompt_only(self, items: list[Request]) -> None:
         """max_new_tokens 0: the teacher-forced pass alone; fills each item's answer."""
         from glmkit.model.rollout import Completion
 
         self.batches_run += 1
         self.requests_run += len(items)
-        p = items[0].params
-        passes = self.prompt_pass([it.prompt for it in items], p.temperature, any(it.want_routing for it in items),
-                                  any(it.want_topk for it in items))
+        passes = self.prompt_pass(items)
         for it, teacher in zip(items, passes):
-            it.answer = self.answer(it, Completion(prompt=list(it.prompt), finish_reason="length"), teacher)
+            it.teacher = teacher
+            self.finish(it, Completion(prompt=list(it.prompt), finish_reason="length",
+                                       routing=teacher["routing"], topk=teacher["topk"]))
 
-    def open_slots(self, waiting: list[Pending], cancelled):
-        """A SlotBatch for requests with the sampling setup of waiting[0]: --max-batch-size slots, each
-        as long as the longest of `waiting` needs (a power of two, at most --max-context)."""
+    def open_slots(self, waiting: list[Request], cancelled):
+        """A SlotBatch of --max-batch-size slots, each as long as the longest of `waiting` needs (a
+        power of two, at most --max-context); every request samples with its own settings."""
         from glmkit.model.rollout import SamplingParams, SlotBatch
 
-        p = waiting[0].params
-        need = max(len(it.prompt) + it.params.max_new_tokens for it in waiting)
+        need = max(len(it.fed_prompt) + it.remaining for it in waiting)
         capacity = min(self.max_context, max(256, 1 << (need - 1).bit_length()))
-        params = SamplingParams(temperature=p.temperature, top_p=p.top_p, max_new_tokens=1,
-                                stop_token_ids=tuple(p.stop_token_ids))
-        seed = p.sampling_seed if p.sampling_seed is not None else next(self.seeds)
         self.batches_run += 1
-        return SlotBatch(self.engine, self.max_batch, capacity, params, seed, record_routing=True, record_topk=True,
-                         cancelled=lambda item: cancelled(item.rid), prefill_chunk=self.prefill_chunk)
+        return SlotBatch(self.engine, self.max_batch, capacity, SamplingParams(), record_routing=True,
+                         record_topk=True, cancelled=cancelled, prefill_chunk=self.prefill_chunk,
+                         sampler=self.sampler)
 
-    def admit(self, slots, items: list[Pending]) -> None:
-        """Prefill `items` into free slots (and their teacher-forced pass where asked)."""
+    def admit(self, slots, items: list[Request]) -> None:
+        """Prefill `items` into free slots (their teacher-forced log-probs from the same prefill)."""
         self.requests_run += len(items)
-        teacher = any(it.want_logprob and it.logprob_start_len >= 0 for it in items)
-        prompts = [it.prompt for it in items]
-        logits = slots.join(prompts, [it.params.max_new_tokens for it in items], items, prompt_logits=teacher)
-        if teacher:  # the prefill's own logits at every prompt token: no second forward over the prompts
-            for it, logprobs in zip(items, input_logprobs(logits, prompts, items[0].params.temperature)):
-                if it.want_logprob and it.logprob_start_len >= 0:
-                    it.teacher = {"input_logprobs": logprobs}
-
-    def finish(self, item: Pending, completion) -> None:
-        item.answer = self.answer(item, completion, item.teacher)
+        wants = [it.input.return_logprob and it.input.logprob_start_len >= 0 and it.teacher is None for it in items]
+        prompts = [it.fed_prompt for it in items]
+        logits = slots.join(prompts, [it.remaining for it in items], items, prompt_logits=any(wants))
+        if any(wants):
+            passes = input_logprobs(logits, prompts, [it.sampling.temperature for it in items],
+                                    [it.input.top_logprobs_num for it in items])
+            for it, want, teacher in zip(items, wants, passes):
+                if want:  # a retracted request's prefill covers its tokens too: the prompt's part
+                    it.teacher = {k: v[:len(it.prompt)] for k, v in teacher.items()}
 
     @torch.no_grad()
-    def prompt_pass(self, prompts, temperature, want_routing, want_topk) -> list[dict]:
+    def prompt_pass(self, items: list[Request]) -> list[dict]:
         """Teacher-forced pass over whole prompts: log-prob of each token given the ones before it
         (None for the first), and the experts / DSA positions each token chose."""
         from glmkit.model.packed import Packed
 
+        prompts = [it.prompt for it in items]
         lengths = [len(p) for p in prompts]
         packed = Packed.from_lengths(lengths, device="cpu")
         seen = {}
 
         def record(layer, site, value):
-            if (site == "router_experts" and want_routing) or (site == "indexer_topk" and want_topk):
+            if site in ("router_experts", "indexer_topk"):
                 seen[(layer, site)] = value.cpu()
 
         _, logits = self.engine.prefill(prompts, max(lengths), all_logits=True, record=record)
         out = []
-        for (s, e), picked in zip(packed.bounds(), input_logprobs(logits, prompts, temperature)):
-            routing = {layer: v[s:e] for (layer, site), v in seen.items() if site == "router_experts"}
-            topk = {layer: torch.where(v[s:e] >= 0, v[s:e] - s, v[s:e]) for (layer, site), v in seen.items()
-                    if site == "indexer_topk"}
-            out.append({"input_logprobs": picked, "routing": routing, "topk": topk})
+        passes = input_logprobs(logits, prompts, [it.sampling.temperature for it in items],
+                                [it.input.top_logprobs_num for it in items])
+        for (s, e), teacher in zip(packed.bounds(), passes):
+            teacher["routing"] = {layer: v[s:e] for (layer, site), v in seen.items() if site == "router_experts"}
+            teacher["topk"] = {layer: torch.where(v[s:e] >= 0, v[s:e] - s, v[s:e]) for (layer, site), v in seen.items()
+                               if site == "indexer_topk"}
+            out.append(teacher)
         return out
 
-    def answer(self, it: Pending, c, teacher: dict | None) -> dict:
+    # ---- answers -------------------------------------------------------------------------------
+    def decode(self, tokens: list, it: Request) -> str:
+        if self.tokenizer is None or not tokens:
+            return ""
+        return self.tokenizer.decode(tokens, skip_special_tokens=it.sampling.skip_special_tokens)
+
+    def final_text(self, it: Request, tokens: list) -> str:
+        """The answer's text as SGLang's detokenizer trims it: up to the matched stop string, or without
+        the matched stop token, unless no_stop_trim."""
+        matched, keep = it.matched, it.sampling.no_stop_trim
+        if isinstance(matched, int) and not keep:
+            tokens = tokens[:-1]
+        text = self.decode(tokens, it)
+        if isinstance(matched, str):
+            at = text.find(matched)
+            if at >= 0:
+                text = text[:at + len(matched)] if keep else text[:at]
+        return text
+
+    def triple(self, it: Request, logprob, token: int) -> list:
+        text = self.tokenizer.decode([token]) if it.input.return_text_in_logprobs and self.tokenizer else None
+        return [logprob, int(token), text]
+
+    def meta(self, it: Request, c, finished: bool) -> dict:
+        """meta_info in SGLang's key order."""
         tokens = list(c.tokens)
-        if c.finish_reason == "stop":
-            reason = protocol.finish_reason("stop", matched=tokens[-1])
+        inp = it.input
+        if not finished:
+            reason = None
         elif c.finish_reason == "abort":
             reason = protocol.finish_reason("abort")
+        elif c.finish_reason == "stop":
+            reason = protocol.finish_reason("stop", matched=it.matched)
         else:
             reason = protocol.finish_reason("length", length=len(tokens))
         meta = {"id": it.rid, "finish_reason": reason, "prompt_tokens": len(it.prompt),
-                "completion_tokens": len(tokens), "cached_tokens": 0, "weight_version": self.weight_version}
-        if it.want_logprob:
-            meta["output_token_logprobs"] = [[float(lp), int(t), None] for lp, t in zip(c.logprobs, tokens)]
-            if it.logprob_start_len >= 0:
-                start = min(it.logprob_start_len, len(it.prompt))
-                meta["input_token_logprobs"] = [[lp, int(t), None] for lp, t in
-                                                zip(teacher["input_logprobs"][start:], it.prompt[start:])]
-        # fed tokens: with generation, prompt + all sampled tokens but the last; without, the prompt
-        routing = c.routing if c.routing is not None else (teacher or {}).get("routing")
-        topk = c.topk if c.topk is not None else (teacher or {}).get("topk")
-        if it.want_routing and self.moe_layers:
-            meta["routed_experts"] = protocol.encode_int32(protocol.stack_layers(
-                {k: v.numpy() for k, v in routing.items()}, self.moe_layers))
-            meta["routed_experts_layers"] = self.moe_layers
-        if it.want_topk and self.dsa_layers:
-            meta["indexer_topk"] = protocol.encode_int32(protocol.stack_layers(
-                {k: v.numpy() for k, v in topk.items()}, self.dsa_layers))
+                "weight_version": self.weight_version, "num_retractions": it.retractions}
+        if inp.return_logprob:
+            teacher = it.teacher or {}
+            if inp.logprob_start_len >= 0 and "input_logprobs" in teacher:
+                start = inp.logprob_start_len
+                picked = [None, *teacher["input_logprobs"][start + 1:]] if start < len(it.prompt) else []
+                meta["input_token_logprobs"] = [self.triple(it, lp, t) for lp, t in zip(picked, it.prompt[start:])]
+            else:
+                meta["input_token_logprobs"] = []
+            meta["output_token_logprobs"] = [self.triple(it, float(lp), t) for lp, t in zip(c.logprobs, tokens)]
+            if inp.top_logprobs_num > 0:
+                tops = teacher.get("input_top")
+                start = max(inp.logprob_start_len, 0)
+                meta["input_top_logprobs"] = ([None] + [[self.triple(it, lp, t) for lp, t in row]
+                                                        for row in tops[start + 1:]]
+                                              if tops and inp.logprob_start_len >= 0 and start < len(it.prompt) else [])
+                meta["output_top_logprobs"] = [[self.triple(it, lp, t) for lp, t in row] for row in it.top]
+        meta.update(completion_tokens=len(tokens), cached_tokens=0, cached_tokens_details=None)
+        if finished and inp.return_routed_experts:
+            meta["routed_experts"] = self.routed_experts(c, it, len(tokens))
+        if finished and inp.return_indexer_topk and self.dsa_layers:
+            meta["indexer_topk"] = self.indexer_topk(c, it, len(tokens))
             meta["indexer_topk_num_layers"] = len(self.dsa_layers)
-            meta["indexer_topk_layers"] = self.dsa_layers
-        text = self.tokenizer.decode(tokens) if self.tokenizer is not None else ""
-        return {"text": text, "output_ids": tokens, "meta_info": meta}
+        meta["dp_rank"] = 0
+        if finished:
+            meta["e2e_latency"] = time.time() - it.started
+        return meta
+
+    def rows(self, it: Request, completion_tokens: int) -> int:
+        """Tokens that went through a forward: the prompt and the sampled tokens but the last."""
+        return max(0, len(it.prompt) + completion_tokens - 1)
+
+    def routed_experts(self, c, it: Request, completion_tokens: int) -> str:
+        """[rows - start, num_hidden_layers, top_k] int32, dense layers' rows 0 (SGLang's zero-filled buffer)."""
+        import numpy as np
+
+        rows = self.rows(it, completion_tokens)
+        out = np.zeros((rows, self.num_layers, self.top_k), dtype=np.int32)
+        for layer, ids in (c.routing or {}).items():
+            got = ids[:rows].numpy()
+            out[:len(got), layer, :got.shape[1]] = got
+        return protocol.encode_int32(out[it.input.routed_experts_start_len:])
+
+    def indexer_topk(self, c, it: Request, completion_tokens: int) -> str:
+        """[rows, DSA layers, index_topk] int32 sequence positions, -1 where fewer are selected."""
+        import numpy as np
+
+        rows = self.rows(it, completion_tokens)
+        width = max([self.index_topk] + [v.shape[1] for v in (c.topk or {}).values()])
+        out = np.full((rows, len(self.dsa_layers), width), -1, dtype=np.int32)
+        for i, layer in enumerate(self.dsa_layers):
+            got = (c.topk or {}).get(layer)
+            if got is not None:
+                got = got[:rows].numpy()
+                out[:len(got), i, :got.shape[1]] = got
+        return protocol.encode_int32(out)
+
+    def answer(self, it: Request, c, finished: bool = True) -> dict:
+        c = it.whole(c)
+        tokens = list(c.tokens)
+        text = self.final_text(it, tokens) if finished else _whole_chars(self.decode(tokens, it))
+        out = {"text": text, "output_ids": tokens, "meta_info": self.meta(it, c, finished)}
+        if it.input.return_prompt_token_ids:
+            out["prompt_token_ids"] = list(it.prompt)
+        return out
+
+    def finish(self, it: Request, completion) -> None:
+        it.answer = self.answer(it, completion)
 
     # ---- weights -------------------------------------------------------------------------------
-    def load_tensors(self, tensors: dict, version: str | None) -> str:
-        """Copy named tensors into the model, all checked before any is written. Names are the
-        model's parameters (the routed experts stacked) or its state-dict / checkpoint names (one
-        tensor per expert: views into the stacks)."""
+    def own_name(self, name: str) -> str:
+        """A tensor name as the checkpoint (`model.language_model.layers.N...`), SGLang and the framework
+        (`model.layers.N...`) or glmkit's model (`layers.N...`) spell it -> the model's state-dict name."""
+        from glmkit.checkpoint.names import LM_HEAD
+
+        return name if name == LM_HEAD else name.removeprefix("model.").removeprefix("language_model.")
+
+    def check_tensors(self, tensors: dict) -> dict:
+        """Named tensors -> {state-dict name: tensor}, every one checked against the model (name, shape,
+        floating dtype, finite values) before any is written: a refused update changes nothing."""
         params = {**self.model.state_dict(keep_vars=True), **dict(self.model.named_parameters())}
-        unknown = sorted(set(tensors) - set(params))
-        if unknown:
-            raise BadRequest(f"{len(unknown)} tensor(s) are not parameters of this model, e.g. {unknown[0]!r}")
+        mapped = {}
         for name, value in tensors.items():
-            if tuple(value.shape) != tuple(params[name].shape):
-                raise BadRequest(f"tensor {name!r} has shape {list(value.shape)}; the model's is "
-                                 f"{list(params[name].shape)}")
-            if not (value.dtype.is_floating_point and params[name].dtype.is_floating_point):
-                raise BadRequest(f"tensor {name!r} has dtype {value.dtype}; expected a floating-point tensor "
-                                 f"(the model's is {params[name].dtype})")
+            own = self.own_name(name)
+            if own not in params:
+                raise RequestError(f"tensor {name!r} is not a parameter of this model")
+            if tuple(value.shape) != tuple(params[own].shape):
+                raise RequestError(f"tensor {name!r} has shape {list(value.shape)}; the model's is "
+                                   f"{list(params[own].shape)}")
+            if not (value.dtype.is_floating_point and params[own].dtype.is_floating_point):
+                raise RequestError(f"tensor {name!r} has dtype {value.dtype}; expected a floating-point tensor "
+                                   f"(the model's is {params[own].dtype})")
+            mapped[own] = value
+        bad = protocol.bad_tensors(mapped)
+        if bad:
+            raise RequestError(f"{len(bad)} tensor(s) hold NaN or Inf, e.g. {bad[0]!r}: update refused, the weights "
+                               f"are unchanged")
+        return mapped
+
+    def load_tensors(self, tensors: dict, version: str | None) -> str:
+        mapped = self.check_tensors(tensors)
+        params = {**self.model.state_dict(keep_vars=True), **dict(self.model.named_parameters())}
         with torch.no_grad():
-            for name, value in tensors.items():
+            for name, value in mapped.items():
                 params[name].copy_(value)
         self.updates += 1
-        self.weight_version = version if version is not None else str(self.updates)
-        return f"updated {len(tensors)} tensor(s); weight_version {self.weight_version}"
+        if version is not None:
+            self.weight_version = version
+        return f"updated {len(mapped)} tensor(s)"
 
     def weights_by_name(self, name: str, truncate_size: int) -> list:
         """SGLang's answer layout: the tensor as float32 nested lists, cut to its first `truncate_size`
-        entries along dim 0. Names: the checkpoint's (`model.language_model.layers.N...`), SGLang's
-        (`model.layers.N...`) or the model's own; routed experts by their per-expert checkpoint names."""
-        from glmkit.checkpoint.names import LM_HEAD
+        entries along dim 0."""
         from glmkit.report import json_safe
 
         state = {**self.model.state_dict(keep_vars=True), **dict(self.model.named_parameters())}
-        own = name if name == LM_HEAD else name.removeprefix("model.").removeprefix("language_model.")
+        own = self.own_name(name)
         if own not in state:
-            raise BadRequest(f"Get parameter by name failed: {name!r} is not a tensor of this model")
+            raise RequestError(f"Get parameter by name failed: {name!r} is not a tensor of this model")
         tensor = state[own].detach()
         rows = tensor[:truncate_size] if tensor.dim() else tensor
         if rows.numel() > MAX_WEIGHT_ELEMENTS:
-            raise BadRequest(f"Get parameter by name failed: {rows.numel()} elements asked for; at most "
-                             f"{MAX_WEIGHT_ELEMENTS} per request (lower truncate_size)")
+            raise RequestError(f"Get parameter by name failed: {rows.numel()} elements asked for; at most "
+                               f"{MAX_WEIGHT_ELEMENTS} per request (lower truncate_size)")
         rows = rows.float().cpu()
         if bool(rows.isfinite().all()):
             return rows.tolist()
-        # NaN and inf are not JSON: answered as null, as SGLang's orjson response writes them
-        return json_safe(rows.tolist())
+        return json_safe(rows.tolist())  # NaN and inf are not JSON: null, as SGLang's orjson writes them
 
-    def join_update_group(self, body) -> str:
-        """Join the trainer's weights-update process group (the trainer is rank 0)."""
+    def join_group(self, body: dict) -> str:
+        """Join the trainer's weights-update group (the trainer is rank 0 and hosts the rendezvous);
+        runs on a thread of its own, not the engine's."""
+        from glmkit.serve.update_group import new_named_group
+
+        name = body["group_name"]
+        if name in self.groups:
+            raise RequestError(f"Failed to initialize custom process group: group {name!r} exists (destroy it first).")
+        if body["backend"] not in ("nccl", "gloo"):
+            raise RequestError(f"Failed to initialize custom process group: backend {body['backend']!r}; allowed: "
+                               f"nccl, gloo.")
+        if not 1 <= body["rank_offset"] < body["world_size"]:
+            raise RequestError(f"Failed to initialize custom process group: rank_offset {body['rank_offset']} must "
+                               f"be in [1, world_size {body['world_size']}).")
+        if body["backend"] == "nccl" and self.model.device.type != "cuda":
+            raise RequestError(f"Failed to initialize custom process group: backend nccl needs the model on a GPU; "
+                               f"this server's is on {self.model.device} (use gloo).")
+        if body["backend"] == "nccl":
+            torch.cuda.set_device(self.model.device.index or 0)
+        try:  # this server has one rank (TP 1): it joins as rank_offset
+            group = new_named_group(body["backend"], body["master_address"], body["master_port"],
+                                    body["world_size"], body["rank_offset"], name, body["timeout_s"])
+        except Exception as err:  # noqa: BLE001 - any rendezvous failure is the caller's answer
+            raise RequestError(f"Failed to initialize custom process group: {err}.") from None
+        self.groups[name] = (group, body["backend"])
+        return "Succeeded to initialize custom process group."
+
+    def destroy_group(self, name: str) -> str:
+        from glmkit.serve.update_group import destroy_named_group
+
+        if name not in self.groups:
+            raise RequestError("The group to be destroyed does not exist.")
+        group, _ = self.groups.pop(name)
+        destroy_named_group(group)
+        return "Succeeded to destroy custom process group."
+
+    def receive(self, body: dict) -> dict:
+        """The tensors rank 0 broadcasts, in the announced order; on a thread of its own."""
         import torch.distributed as dist
 
-        from glmkit.rl.parallel import init_group
-
-        if self.update_group is not None or dist.is_initialized():
-            raise BadRequest(f"this server already joined a weights-update group ({self.update_group})")
-        if body.rank_offset >= body.world_size:
-            raise BadRequest(f"rank_offset {body.rank_offset} must be below world_size {body.world_size}")
-        if body.backend == "nccl" and not torch.cuda.is_available():
-            raise BadRequest("backend nccl needs CUDA; this server has none (use gloo)")
-        if body.backend == "nccl" and self.model.device.type != "cuda":
-            raise BadRequest(f"backend nccl needs the model on a GPU; this server's is on {self.model.device} (use gloo)")
-        # NVLink multicast off (every variable of it) and the model's GPU picked, as in every group the kit joins
-        gpu = (self.model.device.index or 0) if self.model.device.type == "cuda" else 0
-        init_group(body.backend, gpu, body.timeout_s, init_method=f"tcp://{body.master_address}:{body.master_port}",
-                   world_size=body.world_size, rank=body.rank_offset)
-        self.update_group = body.group_name
-        return f"joined {body.group_name} as rank {body.rank_offset} of {body.world_size} ({body.backend})"
-
-    def receive_broadcast(self, body) -> dict:
-        """The tensors rank 0 broadcasts, allocated from the announced dtypes and shapes."""
-        import torch.distributed as dist
-
-        from glmkit.rl.parallel import receive_announced
-
-        if self.update_group is None or body.group_name != self.update_group:
-            raise BadRequest(f"no weights-update group {body.group_name!r} (call /init_weights_update_group first)")
-        device = self.model.device if dist.get_backend() == "nccl" else "cpu"
-        try:  # the order is the request's: rank 0 sends in the same order
-            return receive_announced(zip(body.names, body.dtypes, body.shapes), device)
-        except ValueError as err:  # an unknown dtype, before anything is received
-            raise BadRequest(str(err)) from None
+        name = body["group_name"]
+        if name not in self.groups:
+            raise RequestError(f"no weights-update group {name!r} (call /init_weights_update_group first)")
+        group, backend = self.groups[name]
+        device = self.model.device if backend == "nccl" else torch.device("cpu")
+        tensors = {}
+        for tensor_name, dtype, shape in zip(body["names"], body["dtypes"], body["shapes"]):
+            kind = getattr(torch, dtype.removeprefix("torch."), None)
+            if not isinstance(kind, torch.dtype):
+                raise RequestError(f"tensor {tensor_name!r}: unknown dtype {dtype!r}")
+            tensors[tensor_name] = torch.empty(shape, dtype=kind, device=device)
+        handles = [dist.broadcast(t, src=0, group=group, async_op=True) for t in tensors.values()]
+        for h in handles:
+            h.wait()
+        return tensors
 
     def tensors_from_blobs(self, blobs: list[str]) -> dict:
         from safetensors.torch import load
@@ -299,22 +466,22 @@ class EngineService:
             try:
                 tensors.update(load(base64.b64decode(blob, validate=True)))
             except Exception as err:  # noqa: BLE001 - any decoding failure is the client's bad input
-                raise BadRequest(f"serialized_named_tensors[{i}] is not base64 of a safetensors blob: {err}") from None
+                raise RequestError(f"serialized_named_tensors[{i}] is not base64 of a safetensors blob: {err}") from None
         return tensors
 
     def tensors_from_disk(self, path: str) -> dict:
         directory = Path(path).resolve()
         if not any(directory == root or root in directory.parents for root in self.update_roots):
-            raise PermissionError(f"{path} is not under a directory this server may read updates from "
-                                  f"(start it with --allow-updates-from DIR)")
+            raise RequestError(f"{path} is not under a directory this server may read updates from "
+                               f"(start it with --allow-updates-from DIR)")
         if not directory.is_dir():
-            raise BadRequest(f"{path} is not a directory")
+            raise RequestError(f"{path} is not a directory")
         try:
             return self._read_dir(directory)
-        except BadRequest:
+        except RequestError:
             raise
         except Exception as err:  # noqa: BLE001 - an unreadable update is the client's bad input, said whole
-            raise BadRequest(f"{path}: {err}") from None
+            raise RequestError(f"{path}: {err}") from None
 
     @staticmethod
     def _read_dir(directory: Path) -> dict:
@@ -322,20 +489,25 @@ class EngineService:
 
         outside = [f.name for f in directory.iterdir() if f.is_symlink() and f.resolve().parent != directory]
         if outside:  # a checkpoint's files are read by name: none of them may lead out of the allowed root
-            raise BadRequest(f"{', '.join(sorted(outside)[:3])} points outside {directory}")
+            raise RequestError(f"{', '.join(sorted(outside)[:3])} points outside {directory}")
         if (directory / "config.json").is_file():
             from glmkit.checkpoint import open_checkpoint
 
             return dict(open_checkpoint(directory).state_dict())
         files = sorted(directory.glob("*.safetensors"))
         if not files:
-            raise BadRequest(f"{directory} holds no *.safetensors file")
+            raise RequestError(f"{directory} holds no *.safetensors file")
         tensors = {}
         for f in files:
             with safe_open(str(f), framework="pt") as handle:
                 for name in handle.keys():
                     tensors[name] = handle.get_tensor(name)
         return tensors
+
+
+def _whole_chars(text: str) -> str:
+    """Streamed text grows by whole characters: a trailing incomplete byte sequence is held back."""
+    return text.rstrip("\ufffd")
 
 
 @dataclass
@@ -346,18 +518,22 @@ class _Call:
 
 
 class Batcher:
-    """One worker thread owns the model. It runs, in arrival order, weight updates and batches of
-    generation: a batch opens slots for the first waiting request's sampling setup and, between decode
-    steps, admits every waiting request with the same setup while slots are free (continuous
-    batching); each request's answer is sent the moment it finishes. A waiting weight update stops
-    admissions, and runs when the batch has drained."""
+    """The worker thread: runs, in arrival order, calls on the model (weight loads) and batches of
+    generation. A batch opens slots for the waiting requests and, between decode steps, admits every
+    waiting request while slots are free (continuous batching); each answer is sent the moment its
+    request finishes, and streamed requests get a chunk every `stream_interval` tokens. A waiting
+    call stops admissions and runs when the batch has drained, or at once while generation is
+    paused (SGLang's pause_generation: the requests hold their slots and go on after continue)."""
 
     def __init__(self, service: EngineService, window_s: float = 0.005):
         self.service, self.window_s = service, window_s
         self.pending: deque = deque()
         self.cond = threading.Condition()
         self.cancelled: set = set()
-        self.running: set = set()
+        self.running: dict = {}  # rid -> Request, admitted and not yet answered
+        self.paused, self.pause_mode = False, None
+        self.held = threading.Event()  # set once the worker has paused (and retracted or aborted)
+        self.in_batch = False
         self.loop = None
         self.stopped = False
         self.thread = threading.Thread(target=self._work, name="glmkit-engine", daemon=True)
@@ -369,39 +545,72 @@ class Batcher:
     def stop(self):
         with self.cond:
             self.stopped = True
-            self.cond.notify()
+            self.cond.notify_all()
 
-    async def submit(self, items: list[Pending]) -> list[dict]:
+    @property
+    def alive(self) -> bool:
+        return self.thread.is_alive() and not self.stopped
+
+    def submit(self, items: list[Request], stream: bool = False) -> list:
         for it in items:
             it.future = self.loop.create_future()
+            if stream:
+                it.chunks = asyncio.Queue()
         with self.cond:
             self.pending.extend(items)
-            self.cond.notify()
-        return [await it.future for it in items]
+            self.cond.notify_all()
+        return [it.future for it in items]
 
     async def call(self, fn, *args):
-        """Run fn on the worker thread, between batches."""
+        """Run fn on the worker thread, between batches (or between steps while paused)."""
         future = self.loop.create_future()
         with self.cond:
             self.pending.append(_Call(fn, args, future))
-            self.cond.notify()
+            self.cond.notify_all()
         return await future
 
-    def is_cancelled(self, rid: str) -> bool:
-        return rid in self.cancelled
-
     def abort(self, rid: str | None, abort_all: bool) -> int:
+        """Cancel requests whose id starts with `rid` (SGLang matches by prefix), or all. Waiting ones are
+        answered at once; running ones at their next step, with what they have."""
         with self.cond:
-            waiting = {it.rid for it in self.pending if isinstance(it, Pending)}
-            known = self.running | waiting
-            targets = known if abort_all else ({rid} & known)
+            waiting = [it for it in self.pending if isinstance(it, Request)]
+            hit = lambda r: abort_all or (rid is not None and rid != "" and r.startswith(rid))  # noqa: E731
+            dropped = [it for it in waiting if hit(it.rid)]
+            for it in dropped:
+                self.pending.remove(it)
+            targets = {r for r in self.running if hit(r)}
             self.cancelled |= targets
-        return len(targets)
+            self.cond.notify_all()
+        for it in dropped:
+            self._answer_unstarted(it)
+        return len(dropped) + len(targets)
+
+    def pause(self, mode: str) -> threading.Event:
+        """SGLang's pause_generation: "abort" ends every request (answered with what it has), "retract"
+        takes the running ones out of their slots (they are prefilled again on continue, with the
+        weights of then), "in_place" keeps them in their slots. New requests wait. -> an event set
+        when the worker has paused."""
+        if mode == "abort":
+            self.abort(None, True)
+        with self.cond:
+            self.paused, self.pause_mode = True, mode
+            self.held.clear()
+            if not self.in_batch:
+                self.held.set()
+            self.cond.notify_all()
+        return self.held
+
+    def resume(self) -> None:
+        with self.cond:
+            self.paused = False
+            self.cond.notify_all()
 
     @property
     def busy(self) -> bool:
+        """Requests hold slots, or wait while generation runs (SGLang's flush_cache refuses then; while
+        paused, waiting and retracted requests do not count)."""
         with self.cond:
-            return bool(self.running) or any(isinstance(it, Pending) for it in self.pending)
+            return bool(self.running) or (not self.paused and any(isinstance(it, Request) for it in self.pending))
 
     # ---- the worker thread -------------------------------------------------------------------------
     def _settle(self, future, value=None, error=None):
@@ -410,8 +619,26 @@ class Batcher:
                 future.set_exception(error) if error is not None else future.set_result(value)
         self.loop.call_soon_threadsafe(done)
 
-    def _take_same(self, key, limit: int) -> list[Pending]:
-        """Up to `limit` waiting requests with `key`, in order, not past a waiting weight update."""
+    def _push(self, it: Request, chunk):
+        if it.chunks is not None:
+            self.loop.call_soon_threadsafe(it.chunks.put_nowait, chunk)
+
+    def _answer_unstarted(self, it: Request):
+        """A request aborted before it ran: SGLang's "Abort in waiting queue" answer."""
+        from glmkit.model.rollout import Completion
+
+        answer = self.service.answer(it, Completion(prompt=list(it.prompt), finish_reason="abort"))
+        answer["meta_info"]["finish_reason"]["message"] = "Abort in waiting queue"
+        self._deliver(it, answer)
+
+    def _deliver(self, it: Request, answer: dict):
+        it.answer = answer
+        self._push(it, answer)
+        self._push(it, None)
+        self._settle(it.future, answer)
+
+    def _take_same(self, key, limit: int) -> list[Request]:
+        """Up to `limit` waiting requests with `key`, in order, not past a waiting call."""
         taken = []
         with self.cond:
             for it in list(self.pending):
@@ -420,43 +647,87 @@ class Batcher:
                 if it.key() == key:
                     self.pending.remove(it)
                     taken.append(it)
-            self.running |= {it.rid for it in taken}
+            self.running.update({it.rid: it for it in taken})
         return taken
 
-    def _work(self):
-        import time as clock
+    def _run_calls(self) -> None:
+        """Every waiting call, in order (they may pass waiting requests: generation is paused)."""
+        while True:
+            with self.cond:
+                call = next((it for it in self.pending if isinstance(it, _Call)), None)
+                if call is None:
+                    return
+                self.pending.remove(call)
+            self._run_call(call)
 
+    def _run_call(self, call: _Call) -> None:
+        try:
+            self._settle(call.future, call.fn(*call.args))
+        except Exception as err:  # noqa: BLE001 - the caller's request gets the error
+            self._settle(call.future, error=err)
+
+    def _hold_while_paused(self, slots=None) -> None:
+        with self.cond:
+            mode = self.pause_mode if self.paused else None
+        if slots is not None and mode in ("abort", "retract"):
+            evicted = slots.evict_all()
+            for it, c in evicted:
+                if mode == "abort":
+                    c.finish_reason = "abort"
+                    self.service.finish(it, c)
+                    self._deliver(it, it.answer)
+                    continue
+                it.prior += c.tokens
+                it.prior_logprobs += c.logprobs
+                it.retractions += 1
+            with self.cond:
+                for it, _ in evicted:
+                    self.running.pop(it.rid, None)
+                if mode == "retract":  # first in line again, in their order
+                    self.pending.extendleft(reversed([it for it, _ in evicted]))
+        self.held.set()
+        while True:
+            self._run_calls()
+            with self.cond:
+                if not self.paused or self.stopped:
+                    return
+                if not any(isinstance(it, _Call) for it in self.pending):
+                    self.cond.wait(0.5)
+
+    def _work(self):
         while True:
             with self.cond:
                 while not self.pending and not self.stopped:
                     self.cond.wait()
                 if self.stopped:
                     return
-                first = self.pending[0]
+                paused, first = self.paused, self.pending[0]
+            if paused:
+                self._hold_while_paused()
+                continue
+            self.held.clear()
             if isinstance(first, _Call):
                 with self.cond:
                     self.pending.popleft()
-                try:
-                    self._settle(first.future, first.fn(*first.args))
-                except Exception as err:  # noqa: BLE001 - the caller's request gets the error
-                    self._settle(first.future, error=err)
+                self._run_call(first)
                 continue
-            clock.sleep(self.window_s)  # let requests sent together arrive together
+            time.sleep(self.window_s)  # let requests sent together arrive together
             self._run_batch(first.key())
 
     def _run_batch(self, key):
         service, batch, slots = self.service, [], None
+        self.in_batch = True
         try:
-            if key[2]:  # max_new_tokens 0: a teacher-forced pass, no slots
+            if key:  # max_new_tokens 0: a teacher-forced pass, no slots
                 batch = self._take_same(key, service.max_batch)
                 service.run_prompt_only(batch)
                 for it in batch:
-                    self._settle(it.future, it.answer)
+                    self._deliver(it, it.answer)
                 return
             with self.cond:
-                waiting = [it for it in self.pending if isinstance(it, Pending) and it.key() == key]
+                waiting = [it for it in self.pending if isinstance(it, Request) and it.key() == key]
             try:
-                slots = service.open_slots(waiting, self.is_cancelled)
+                slots = service.open_slots(waiting, lambda it: it.rid in self.cancelled)
             except Exception:  # answered below with the error, not left queued to be retried forever
                 batch = self._take_same(key, len(waiting))
                 raise
@@ -464,48 +735,58 @@ class Batcher:
             while True:
                 fits = []
                 for it in ([] if closed else self._take_same(key, slots.free)):
-                    if not closed and len(it.prompt) + it.params.max_new_tokens <= slots.capacity:
+                    if not closed and len(it.fed_prompt) + it.remaining <= slots.capacity:
                         fits.append(it)
                         continue
                     closed = True
                     with self.cond:
                         self.pending.appendleft(it)
-                        self.running.discard(it.rid)
+                        self.running.pop(it.rid, None)
                 if fits:
                     batch += fits
                     service.admit(slots, fits)  # samples each one's first token: some may end here
-                self._answer_finished(slots)
+                self._after_step(slots)
                 if not slots.busy:
                     return
+                self._hold_while_paused(slots)
                 slots.step()
-                self._answer_finished(slots)
+                self._after_step(slots)
         except Exception as err:  # noqa: BLE001 - every request of the batch learns why
             for it in batch:
+                self._push(it, None)
                 self._settle(it.future, error=err)
         finally:
+            self.in_batch = False
             self._release(batch)
 
-    def _answer_finished(self, slots):
+    def _after_step(self, slots):
         for item, completion in slots.finished():
             self.service.finish(item, completion)
-            self._settle(item.future, item.answer)
+            self._deliver(item, item.answer)
             self._release([item])
+        for item, completion in slots.live():
+            total = len(item.prior) + len(completion.tokens)
+            if item.chunks is None or total <= item.sent:
+                continue
+            interval = item.sampling.stream_interval or 1
+            if item.sent == 0 or total - item.sent >= interval:
+                item.sent = total
+                self._push(item, self.service.answer(item, completion, finished=False))
 
     def _release(self, items):
         with self.cond:
-            self.running -= {it.rid for it in items}
-            self.cancelled -= {it.rid for it in items}
+            for it in items:
+                self.running.pop(it.rid, None)
+                self.cancelled.discard(it.rid)
 
 
-def build_app(service: EngineService, window_s: float = 0.005):
+def build_app(service: EngineService, window_s: float = 0.005, max_body: int = DEFAULT_MAX_BODY):
     from contextlib import asynccontextmanager
 
-    from fastapi import FastAPI, Request
-    from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
     batcher = Batcher(service, window_s)
-    rids = itertools.count()
 
     @asynccontextmanager
     async def lifespan(app):
@@ -513,116 +794,370 @@ def build_app(service: EngineService, window_s: float = 0.005):
         yield
         batcher.stop()
 
-    app = FastAPI(title="glmkit serve (SGLang native API subset)", lifespan=lifespan)
+    app = FastAPI(title="glmkit serve (SGLang native API)", lifespan=lifespan)
     app.state.batcher = batcher
 
-    def error(status: int, message: str):
-        return JSONResponse({"error": {"message": message, "code": status}}, status_code=status)
+    @app.exception_handler(RequestError)
+    async def refused(request: HttpRequest, exc: RequestError):
+        return JSONResponse(exc.body(), status_code=exc.status)
 
-    @app.exception_handler(RequestValidationError)
-    async def invalid(request: Request, exc: RequestValidationError):
-        parts = []
-        for e in exc.errors()[:5]:
-            where = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
-            parts.append(f"{where or 'body'}: {e.get('msg')}")
-        return error(400, "; ".join(parts) or "invalid request")
+    async def body_of(request: HttpRequest):
+        """The JSON body, at most --max-body-bytes (413 naming the limit); {} when empty."""
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > max_body:
+            raise RequestError(f"request body of {int(declared)} bytes exceeds this server's limit of {max_body} bytes "
+                               f"(--max-body-bytes)", status=413)
+        data = bytearray()
+        async for piece in request.stream():
+            data += piece
+            if len(data) > max_body:
+                raise RequestError(f"request body exceeds this server's limit of {max_body} bytes (--max-body-bytes)",
+                                   status=413)
+        if not data.strip():
+            return {}
+        try:
+            return json.loads(data)
+        except (ValueError, UnicodeDecodeError) as err:
+            raise RequestError(f"the body is not valid JSON: {err}", layout="bad_request") from None
 
-    @app.exception_handler(BadRequest)
-    async def bad(request: Request, exc: BadRequest):
-        return error(400, str(exc))
+    def outcome(success: bool, message: str, status: int | None = None, **extra):
+        return JSONResponse({"success": success, "message": message, **extra},
+                            status_code=status or (200 if success else 400))
 
-    @app.exception_handler(PermissionError)
-    async def forbidden(request: Request, exc: PermissionError):
-        return error(403, str(exc))
+    async def weight_step(work, *args, **extra):
+        """A weight-update endpoint's answer: {"success", "message"} with 200, or 400 and the reason."""
+        try:
+            return outcome(True, await work(*args), **extra)
+        except RequestError as err:
+            return outcome(False, str(err), **extra)
 
+    # ---- health and information ---------------------------------------------------------------
     @app.get("/health")
     async def health():
-        return {}
+        return Response(status_code=200 if batcher.alive else 503)
 
     @app.get("/health_generate")
     async def health_generate():
-        item = Pending([1], protocol.SamplingParamsIn(max_new_tokens=1, temperature=0.0), f"health-{next(rids)}",
-                       False, -1, False, False)
-        await batcher.submit([item])
-        return {}
-
-    @app.get("/get_model_info")
-    async def model_info():
-        return {"model_path": service.model_path, "tokenizer_path": service.tokenizer_path, "is_generation": True,
-                "weight_version": service.weight_version, "max_batch_size": service.max_batch,
-                "vocab_size": service.vocab_size, "max_context": service.max_context, "moe_layers": service.moe_layers, "dsa_layers": service.dsa_layers,
-                "dtype": str(service.model.dtype).replace("torch.", ""), "device": str(service.model.device),
-                "engine_batches": service.batches_run, "engine_requests": service.requests_run}
-
-    @app.post("/generate")
-    async def generate(request: GenerateRequest):
-        prompts = service.encode(request)
-        n = len(prompts)
+        """200 only when a token was generated within 20 s (SGLang's health check), else 503."""
+        if not batcher.alive:
+            return Response(status_code=503)
+        gen, items = service.requests({"input_ids": [0], "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+                                       "rid": f"HEALTH_CHECK_{uuid.uuid4().hex}"})
+        futures = batcher.submit(items)
         try:
-            params = request.per_input(n, "sampling_params")
-            given = request.per_input(n, "rid")
-        except ValueError as err:
-            raise BadRequest(str(err)) from None
-        service.check_lengths(prompts, params)
-        rid_list = [r if r is not None else f"req-{next(rids)}" for r in given]
-        items = [Pending(p, sp, rid, request.return_logprob, request.logprob_start_len, request.return_routed_experts,
-                         request.return_indexer_topk) for p, sp, rid in zip(prompts, params, rid_list)]
-        answers = await batcher.submit(items)
-        return answers if request.batched else answers[0]
+            await asyncio.wait_for(asyncio.shield(futures[0]), HEALTH_TIMEOUT_S)
+        except (asyncio.TimeoutError, Exception):  # noqa: BLE001 - any failure to generate is unhealthy
+            batcher.abort(items[0].rid, False)
+            return Response(status_code=503)
+        return Response(status_code=200)
 
-    @app.post("/flush_cache")
-    async def flush_cache():
-        if batcher.busy:
-            return error(400, "cannot flush the cache while requests are running")
-        return {"success": True, "message": "glmkit keeps no prefix cache; nothing to flush"}
+    def model_info():
+        return {"model_path": service.model_path, "served_model_name": service.server_args.get("served_model_name"),
+                "tokenizer_path": service.tokenizer_path, "is_generation": True, "preferred_sampling_params": None,
+                "weight_version": service.weight_version, "load_format": "auto", "reasoning_parser": None,
+                "tool_call_parser": None, "disaggregation_mode": "null", "has_image_understanding": False,
+                "has_audio_understanding": False, "model_type": "glm5_next",
+                "architectures": [type(service.model).__name__]}
+
+    @app.get("/model_info")
+    @app.get("/get_model_info")
+    async def get_model_info():
+        return model_info()
+
+    @app.get("/get_weight_version")
+    async def get_weight_version():  # older SGLang; the framework falls back to it
+        return {"weight_version": service.weight_version}
+
+    def server_info():
+        args = dict(service.server_args)
+        args.update(model_path=service.model_path, tokenizer_path=service.tokenizer_path,
+                    max_running_requests=service.max_batch, context_length=service.max_context)
+        return {**args, "status": "ready", "max_total_num_tokens": service.max_batch * service.max_context,
+                "max_req_input_len": service.max_context - 1,
+                "internal_states": [{**args, "engine_batches": service.batches_run,
+                                     "engine_requests": service.requests_run}],
+                "version": f"glmkit-serve {_version()}", "frontend": "glmkit"}
+
+    @app.get("/server_info")
+    @app.get("/get_server_info")
+    async def get_server_info():
+        return server_info()
+
+    @app.get("/v1/models")
+    async def models():
+        name = service.server_args.get("served_model_name") or service.model_path
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": int(service.server_args.get(
+            "started", 0)), "owned_by": "sglang", "root": name, "parent": None, "max_model_len": service.max_context}]}
+
+    # ---- generation ------------------------------------------------------------------------------
+    @app.api_route("/generate", methods=["POST", "PUT"])
+    async def generate(request: HttpRequest):
+        raw = await body_of(request)
+        try:
+            gen, items = service.requests(raw)
+        except RequestError as err:
+            if err.layout == "message" and isinstance(raw, dict) and raw.get("stream") is True:
+                return StreamingResponse(_stream_error(err), media_type="text/event-stream")
+            raise
+        if gen.stream:
+            batcher.submit(items, stream=True)
+            return StreamingResponse(_stream(request, items, gen.batched), media_type="text/event-stream")
+        futures = batcher.submit(items)
+        gathered = asyncio.gather(*futures)
+        while True:  # a client that goes away has its requests cancelled
+            done, _ = await asyncio.wait({gathered}, timeout=0.25)
+            if done:
+                break
+            if await request.is_disconnected():
+                for it in items:
+                    batcher.abort(it.rid, False)
+                return Response(status_code=499)
+        try:
+            answers = gathered.result()
+        except RequestError:
+            raise
+        except Exception as err:  # noqa: BLE001 - an engine failure is answered, and the server goes on
+            return JSONResponse({"error": {"message": f"generation failed: {type(err).__name__}: {err}"}},
+                                status_code=500)
+        return answers if gen.batched else answers[0]
+
+    async def _stream_error(err: RequestError):
+        payload = {"error": {"message": str(err), "type": "invalid_request_error", "code": err.status,
+                             "retryable": False}}
+        yield f"data: {json.dumps(payload)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    async def _stream(request: HttpRequest, items: list[Request], batched: bool):
+        """Server-sent events: cumulative text, output_ids and meta_info per chunk ("index" per input of a
+        batch), then `data: [DONE]`."""
+        open_items = {i: it for i, it in enumerate(items)}
+        queues = {i: asyncio.ensure_future(it.chunks.get()) for i, it in open_items.items()}
+        try:
+            while queues:
+                done, _ = await asyncio.wait(set(queues.values()), timeout=0.25, return_when=asyncio.FIRST_COMPLETED)
+                if not done and await request.is_disconnected():
+                    return
+                for i in [i for i, q in queues.items() if q in done]:
+                    chunk = queues.pop(i).result()
+                    if chunk is None:
+                        open_items.pop(i)
+                        continue
+                    queues[i] = asyncio.ensure_future(items[i].chunks.get())
+                    if batched:
+                        chunk = {**chunk, "index": i}
+                    yield f"data: {json.dumps(chunk)}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            for q in queues.values():
+                q.cancel()
+            for it in open_items.values():
+                if it.answer is None:
+                    batcher.abort(it.rid, False)
 
     @app.post("/abort_request")
-    async def abort_request(body: protocol.AbortRequest):
-        if body.rid is None and not body.abort_all:
-            raise BadRequest("give rid or abort_all: true")
-        return {"aborted": batcher.abort(body.rid, body.abort_all)}
+    async def abort_request(request: HttpRequest):
+        body = protocol.parse_body(await body_of(request), {"rid": (str, ""), "abort_all": (bool, False)},
+                                   "abort_request")
+        batcher.abort(body["rid"] or None, body["abort_all"])
+        return Response(status_code=200)
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache():
+        if batcher.busy:
+            return PlainTextResponse("Flush cache failed.\n", status_code=400)
+        return PlainTextResponse("Cache flushed.\nPlease check backend logs for more details. (When there are running "
+                                 "or waiting requests, the operation will not be performed.)\n")
+
+    @app.post("/pause_generation")
+    async def pause_generation(request: HttpRequest):
+        body = protocol.parse_body(await body_of(request), {"mode": (str, "abort")}, "pause_generation")
+        if body["mode"] not in PAUSE_MODES:
+            raise RequestError(f"pause_generation: mode {body['mode']!r}; allowed: {', '.join(PAUSE_MODES)}")
+        held = batcher.pause(body["mode"])
+        await asyncio.to_thread(held.wait, 60.0)  # until the step running now has ended
+        return {"message": "Generation paused successfully.", "status": "ok"}
+
+    @app.post("/continue_generation")
+    async def continue_generation(request: HttpRequest):
+        await body_of(request)
+        batcher.resume()
+        return {"message": "Generation continued successfully.", "status": "ok"}
+
+    async def memory(request: HttpRequest, release: bool):
+        body = protocol.parse_body(await body_of(request), {"tags": ("list[str]?", None)}, "memory_occupation")
+        tags = body["tags"] if body["tags"] is not None else list(MEMORY_TAGS)
+        unknown = [t for t in tags if t not in MEMORY_TAGS]
+        if unknown:
+            raise RequestError(f"unknown memory tag {unknown[0]!r}; allowed: {', '.join(MEMORY_TAGS)}")
+        # glmkit keeps its memory (no memory saver): the calls are accepted so a colocated schedule runs
+        (service.released.update if release else service.released.difference_update)(tags)
+        return JSONResponse(None)
+
+    @app.api_route("/release_memory_occupation", methods=["GET", "POST"])
+    async def release_memory(request: HttpRequest):
+        return await memory(request, True)
+
+    @app.api_route("/resume_memory_occupation", methods=["GET", "POST"])
+    async def resume_memory(request: HttpRequest):
+        return await memory(request, False)
+
+    # ---- weights ---------------------------------------------------------------------------------------
+    @app.post("/begin_weight_update")
+    async def begin_weight_update(request: HttpRequest):
+        protocol.parse_body(await body_of(request), {"selector": (str, "all")}, "begin_weight_update")
+        if service.session_open:
+            return outcome(False, "a weight-update session is already open; call end_weight_update() first")
+        service.session_open = True
+        return outcome(True, "weight-update session opened")
+
+    @app.post("/end_weight_update")
+    async def end_weight_update(request: HttpRequest):
+        protocol.parse_body(await body_of(request), {"selector": (str, "all")}, "end_weight_update")
+        if not service.session_open:
+            return outcome(False, "no weight-update session is open; call begin_weight_update() first")
+        service.session_open = False
+        return outcome(True, "weight-update session closed")
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(request: HttpRequest):
+        body = protocol.parse_body(await body_of(request), {"new_version": (str, ...),
+                                                            "abort_all_requests": (bool, True)}, "update_weight_version")
+        if body["abort_all_requests"]:
+            batcher.abort(None, True)
+        service.weight_version = body["new_version"]
+        return {"success": True, "message": f"Weight version updated to {body['new_version']}",
+                "new_version": body["new_version"]}
+
+    def updated(message: str, version) -> str:
+        return f"{message}." + (f" Weight version updated to {version}." if version is not None else "")
 
     @app.post("/update_weights_from_tensor")
-    async def update_from_tensor(body: protocol.UpdateFromTensor):
-        if body.abort_all_requests:
+    async def update_from_tensor(request: HttpRequest):
+        body = protocol.parse_body(await body_of(request), {
+            "serialized_named_tensors": ("list[str]", ...), "load_format": ("str?", None), "flush_cache": (bool, True),
+            "abort_all_requests": (bool, False), "weight_version": ("str?", None), "selector": (str, "all"),
+            "torch_empty_cache": (bool, False)}, "update_weights_from_tensor")
+        if body["load_format"] != "safetensors":
+            return outcome(False, f"load_format {body['load_format']!r}: glmkit serve reads only safetensors blobs "
+                                  f"(load_format \"safetensors\"); SGLang's own formats carry pickled CUDA IPC handles, "
+                                  f"which it never unpickles. Use /update_weights_from_distributed or _from_disk.")
+        if body["abort_all_requests"]:
             batcher.abort(None, True)
-        tensors = service.tensors_from_blobs(body.serialized_named_tensors)
-        message = await batcher.call(service.load_tensors, tensors, body.weight_version)
-        return {"success": True, "message": message, "weight_version": service.weight_version}
+
+        async def work():
+            tensors = service.tensors_from_blobs(body["serialized_named_tensors"])
+            await batcher.call(service.load_tensors, tensors, body["weight_version"])
+            return updated("Succeeded to update model weights", body["weight_version"])
+        return await weight_step(work)
 
     @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
-    async def get_weights_by_name(body: protocol.GetWeightsByName):
-        # SGLang answers the bare nested list (no wrapper object); GET carries the same JSON body
-        return await batcher.call(service.weights_by_name, body.name, body.truncate_size)
+    async def get_weights_by_name(request: HttpRequest):
+        body = protocol.parse_body(await body_of(request), {"name": (str, ...), "truncate_size": (int, 100)},
+                                   "get_weights_by_name")
+        if body["truncate_size"] < 1:
+            raise RequestError(f"truncate_size must be at least 1, got {body['truncate_size']}")
+        return await batcher.call(service.weights_by_name, body["name"], body["truncate_size"])
 
     @app.post("/init_weights_update_group")
-    async def init_update_group(body: protocol.InitWeightsUpdateGroup):
-        message = await batcher.call(service.join_update_group, body)
-        return {"success": True, "message": message}
+    async def init_update_group(request: HttpRequest):
+        body = protocol.parse_body(await body_of(request), {
+            "master_address": (str, ...), "master_port": (int, ...), "rank_offset": (int, ...),
+            "world_size": (int, ...), "group_name": (str, "weight_update_group"), "backend": (str, "nccl"),
+            "timeout_s": (float, GROUP_TIMEOUT_S)}, "init_weights_update_group")
+        if not 0 < body["master_port"] < 65536 or not 0 < body["timeout_s"] <= 86400:
+            return outcome(False, f"master_port {body['master_port']} must be in 1..65535 and timeout_s "
+                                  f"{body['timeout_s']} in (0, 86400]")
+        return await weight_step(asyncio.to_thread, service.join_group, body)  # not the engine's thread
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_update_group(request: HttpRequest):
+        body = protocol.parse_body(await body_of(request), {"group_name": (str, "weight_update_group")},
+                                   "destroy_weights_update_group")
+        return await weight_step(asyncio.to_thread, service.destroy_group, body["group_name"])
 
     @app.post("/update_weights_from_distributed")
-    async def update_from_distributed(body: protocol.UpdateFromDistributed):
-        if body.abort_all_requests:
+    async def update_from_distributed(request: HttpRequest):
+        body = protocol.parse_body(await body_of(request), {
+            "names": ("list[str]", ...), "dtypes": ("list[str]", ...), "shapes": ("list[list[int]]", ...),
+            "group_name": (str, "weight_update_group"), "flush_cache": (bool, True), "abort_all_requests": (bool, False),
+            "weight_version": ("str?", None), "load_format": ("str?", None), "selector": (str, "all"),
+            "torch_empty_cache": (bool, False)}, "update_weights_from_distributed")
+        if not len(body["names"]) == len(body["dtypes"]) == len(body["shapes"]):
+            return outcome(False, f"names, dtypes and shapes differ in length ({len(body['names'])}, "
+                                  f"{len(body['dtypes'])}, {len(body['shapes'])})")
+        if body["load_format"] not in (None, "auto"):
+            return outcome(False, f"load_format {body['load_format']!r} is not supported by glmkit serve: the trainer "
+                                  f"must broadcast one tensor per name (load_format unset)")
+        if any(d < 0 for shape in body["shapes"] for d in shape):
+            return outcome(False, "shapes hold a negative dimension")
+        if body["abort_all_requests"]:
             batcher.abort(None, True)
-        tensors = await batcher.call(service.receive_broadcast, body)
-        message = await batcher.call(service.load_tensors, tensors, body.weight_version)
-        return {"success": True, "message": message, "weight_version": service.weight_version}
+
+        async def work():
+            tensors = await asyncio.to_thread(service.receive, body)  # the transfers: off the engine's thread
+            await batcher.call(service.load_tensors, tensors, body["weight_version"])
+            return updated("Succeeded to update parameter online", body["weight_version"])
+        return await weight_step(work)
 
     @app.post("/update_weights_from_disk")
-    async def update_from_disk(body: protocol.UpdateFromDisk):
-        if body.abort_all_requests:
+    async def update_from_disk(request: HttpRequest):
+        body = protocol.parse_body(await body_of(request), {
+            "model_path": (str, ...), "load_format": ("str?", None), "abort_all_requests": (bool, False),
+            "weight_version": ("str?", None), "flush_cache": (bool, True), "is_async": (bool, False),
+            "torch_empty_cache": (bool, False), "keep_pause": (bool, False), "recapture_cuda_graph": (bool, False),
+            "token_step": (int, 0)}, "update_weights_from_disk")
+        if body["load_format"] not in (None, "auto", "safetensors"):
+            return outcome(False, f"load_format {body['load_format']!r} is not supported by glmkit serve (safetensors "
+                                  f"files or an HF checkpoint directory only)", num_paused_requests=0)
+        if body["abort_all_requests"]:
             batcher.abort(None, True)
-        tensors = await batcher.call(service.tensors_from_disk, body.model_path)
-        message = await batcher.call(service.load_tensors, tensors, body.weight_version)
-        return {"success": True, "message": message, "weight_version": service.weight_version}
+
+        async def work():
+            tensors = await asyncio.to_thread(service.tensors_from_disk, body["model_path"])
+            await batcher.call(service.load_tensors, tensors, body["weight_version"])
+            service.model_path = body["model_path"]
+            return updated("Succeeded to update model weights", body["weight_version"])
+        return await weight_step(work, num_paused_requests=0)
 
     return app
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("glmkit")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def checkpoint_eos_ids(checkpoint, model, tokenizer) -> list[int]:
+    """The ids SGLang stops on: config.json's eos_token_id, generation_config.json's, the tokenizer's."""
+    ids = set()
+
+    def add(value):
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(v for v in value if isinstance(v, int))
+
+    add(getattr(model.config, "eos_token_id", None))
+    generation = Path(checkpoint) / "generation_config.json"
+    if generation.is_file():
+        try:
+            add(json.loads(generation.read_text()).get("eos_token_id"))
+        except (ValueError, AttributeError):
+            pass
+    if tokenizer is not None:
+        add(getattr(tokenizer, "eos_token_id", None))
+    return sorted(ids)
 
 
 def serve(checkpoint, host: str = "127.0.0.1", port: int = 30000, device: str = "cpu", dtype: str | None = None,
           backends=None, tokenizer: str | None = None, max_batch: int = DEFAULT_MAX_BATCH, update_roots=(),
           window_s: float = 0.005, on_ready=print, max_context: int = DEFAULT_MAX_CONTEXT,
-          prefill_chunk: int | None = None):
+          prefill_chunk: int | None = None, max_body: int = DEFAULT_MAX_BODY, served_model_name: str | None = None,
+          enable_memory_saver: bool = False, seed: int = 0):
     """Load the checkpoint and serve until interrupted. Port 0 picks a free port; `on_ready` gets
     the line naming the address."""
     import uvicorn
@@ -633,16 +1168,24 @@ def serve(checkpoint, host: str = "127.0.0.1", port: int = 30000, device: str = 
     model = load_model(checkpoint, getattr(torch, dtype) if dtype else None, device).eval()
     tok_dir = tokenizer or (str(checkpoint) if has_tokenizer_files(checkpoint) else None)
     tok = load_tokenizer(tok_dir) if tok_dir else None
-    service = EngineService(model, backends, tok, str(checkpoint), tok_dir or "", max_batch, update_roots,
-                            max_context, prefill_chunk)
-    app = build_app(service, window_s)
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     sock.listen(2048)  # connections made from now on wait in the backlog until uvicorn accepts them
+    bound = sock.getsockname()[1]
+    # SGLang's server arguments as its /server_info echoes them (the framework compares some of them)
+    server_args = {"host": host, "port": bound, "nnodes": 1, "node_rank": 0, "gpu_id_step": 1, "base_gpu_id": 0,
+                   "tp_size": 1, "dp_size": 1, "pp_size": 1, "ep_size": 1, "enable_memory_saver": enable_memory_saver,
+                   "enable_return_routed_experts": True, "enable_return_indexer_topk": True,
+                   "dtype": str(model.dtype).removeprefix("torch."), "load_format": "auto",
+                   "served_model_name": served_model_name or str(checkpoint), "weight_version": "default",
+                   "skip_tokenizer_init": tok is None, "stream_interval": 1, "incremental_streaming_output": False,
+                   "random_seed": seed, "device": str(model.device), "started": time.time()}
+    service = EngineService(model, backends, tok, str(checkpoint), tok_dir or "", max_batch, update_roots,
+                            max_context, prefill_chunk, checkpoint_eos_ids(checkpoint, model, tok), server_args, seed)
+    app = build_app(service, window_s, max_body)
     config = uvicorn.Config(app, log_level="warning", access_log=False)
     server = uvicorn.Server(config)
-    bound = sock.getsockname()[1]
     on_ready(f"glmkit serve: {checkpoint} on http://{host}:{bound} (SGLang native API; device {device}, "
              f"max batch {max_batch})")
     server.run(sockets=[sock])
