@@ -1,0 +1,127 @@
+"""Per-request sampling (glmkit/serve/sampling.py) on hand-made logits, each rule against a hand
+computation of SGLang's definition; and the request parser's normalisation (protocol.py)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from glmkit.serve import protocol
+from glmkit.serve.protocol import RequestError, parse_generate, parse_sampling
+from glmkit.serve.sampling import RequestSampler, RequestState
+
+V = 8
+
+
+def state(seed=0, eos=(), **params) -> RequestState:
+    return RequestState(parse_sampling(params, V), seed, eos)
+
+
+def test_greedy_takes_the_argmax_and_reports_the_plain_log_softmax():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0, 0.0, 0.0, 0.0, 0.0]])
+    tokens, logprobs = RequestSampler().choose(logits, [state(temperature=0)], [[]])
+    assert tokens == [1]
+    assert logprobs[0] == pytest.approx(float(torch.log_softmax(logits[0], -1)[1]), abs=1e-6)
+
+
+def test_penalties_follow_sglangs_formulas():
+    """frequency: logit - f * count; presence: - p * (count > 0); repetition: positive logits / r,
+    negative ones * r, on tokens already generated. Checked through the greedy choice and the
+    reported log-prob (softmax of the penalised logits)."""
+    base = torch.tensor([[2.0, 1.9, -1.0, -1.2, 0.0, 0.0, 0.0, 0.0]])
+    sampler = RequestSampler()
+    st = state(temperature=0, frequency_penalty=0.5, presence_penalty=0.2)
+    assert sampler.choose(base, [st], [[]])[0] == [0]  # nothing generated yet: no penalty
+    tokens, logprobs = sampler.choose(base, [st], [[0]])  # token 0 once: 2.0 - 0.5 - 0.2 = 1.3 < 1.9
+    expected = base[0].clone()
+    expected[0] -= 0.7
+    assert tokens == [1] and logprobs[0] == pytest.approx(float(torch.log_softmax(expected, -1)[1]), abs=1e-6)
+
+    st = state(temperature=0, repetition_penalty=2.0)
+    st.counts = torch.zeros(V)
+    st.counts[[0, 2]] = 1  # tokens 0 (logit 2.0 -> 1.0) and 2 (-1.0 -> -2.0) were generated
+    expected = base[0].clone()
+    expected[0], expected[2] = 1.0, -2.0
+    tokens, logprobs = sampler.choose(base, [st], [[0, 2]])
+    assert tokens == [1] and logprobs[0] == pytest.approx(float(torch.log_softmax(expected, -1)[1]), abs=1e-6)
+
+
+def test_min_new_tokens_masks_every_stop_id_and_eos_until_reached():
+    logits = torch.tensor([[0.0, 0.0, 9.0, 0.0, 8.0, 0.0, 0.0, 0.0]])  # 2 is EOS, 4 a stop id
+    sampler = RequestSampler()
+    st = state(eos=(2,), temperature=0, min_new_tokens=2, stop_token_ids=[4])
+    assert sampler.choose(logits, [st], [[]])[0] == [0]  # 2 and 4 masked: the best left is 0
+    assert sampler.choose(logits, [st], [[0, 0]])[0] == [2]
+    assert sampler.finish(st, [0, 0, 2]) and st.matched == 2
+    ignoring = state(eos=(2,), temperature=0, ignore_eos=True, stop_token_ids=[4])
+    assert not sampler.finish(ignoring, [2]) and not sampler.finish(ignoring, [4])  # SGLang: ignores both
+
+
+def test_top_k_top_p_min_p_cut_the_sorted_distribution():
+    logits = torch.log(torch.tensor([[0.4, 0.3, 0.2, 0.1, 1e-9, 1e-9, 1e-9, 1e-9]]))
+    sampler = RequestSampler()
+
+    def drawn(n=400, **params):
+        st = state(seed=11, **params)
+        return {sampler.choose(logits, [st], [[]])[0][0] for _ in range(n)}
+
+    assert drawn(top_k=2) == {0, 1}
+    assert drawn(top_p=0.65) == {0, 1}  # 0.4 + 0.3 covers 0.65; the first token is always kept
+    assert drawn(top_p=0.05) == {0}
+    assert drawn(min_p=0.4) == {0, 1, 2}  # p >= 0.4 * 0.4
+    assert drawn(min_p=0.9) == {0}
+
+
+def test_the_draw_follows_the_distribution_and_a_seed_replays_alone_or_batched():
+    probs = torch.tensor([0.5, 0.25, 0.125, 0.125, 0, 0, 0, 0])
+    logits = torch.log(probs.clamp_min(1e-30))[None]
+    sampler = RequestSampler()
+    st = state(seed=5)
+    counts = torch.zeros(V)
+    for _ in range(4000):
+        counts[sampler.choose(logits, [st], [[]])[0][0]] += 1
+    # 4000 draws: each frequency within 4 standard deviations of its probability
+    sd = torch.sqrt(probs * (1 - probs) / 4000)
+    assert ((counts / 4000 - probs).abs() <= 4 * sd + 1e-9).all(), counts
+    alone = [sampler.choose(logits, [state(seed=9)], [[]])[0][0] for _ in range(1)]
+    a, b = state(seed=9), state(seed=1)
+    together = sampler.choose(logits.repeat(2, 1), [b, a], [[], []])[0]
+    assert together[1] == alone[0]
+
+
+def test_logit_bias_and_temperature():
+    logits = torch.zeros(1, V)
+    st = state(temperature=0, logit_bias={"6": 5.0})
+    assert RequestSampler().choose(logits, [st], [[]])[0] == [6]
+    st = state(temperature=0.5, top_k=1, logit_bias={"3": 1.0})
+    tokens, logprobs = RequestSampler().choose(logits, [st], [[]])
+    # top_k 1 is greedy: temperature 1, as SGLang sets it
+    assert tokens == [3] and logprobs[0] == pytest.approx(1.0 - math.log(math.e + 7), abs=1e-6)
+
+
+def test_sampling_params_normalisation():
+    s = parse_sampling({"temperature": 1e-9, "top_k": -1, "stop": "x", "stop_token_ids": [3, 3]}, V)
+    assert s.greedy and s.temperature == 1.0 and s.stop == ("x",) and s.stop_token_ids == {3}
+    assert parse_sampling({"top_k": -1}, V).top_k == protocol.TOP_K_ALL
+    assert parse_sampling({"max_new_tokens": None}, V).max_new_tokens == 128  # null: the default
+    assert parse_sampling({"temperature": 1}, V).temperature == 1.0  # an integer is a number
+    with pytest.raises(RequestError, match="at most 32 stop strings"):
+        parse_sampling({"stop": ["a"] * 33}, V)
+
+
+def test_batches_n_and_rids_expand_as_sglang():
+    ids = iter(f"u{i}" for i in range(100))
+    gen = parse_generate({"input_ids": [[1, 2], [3]], "sampling_params": {"n": 2}}, V, None, lambda: next(ids))
+    assert gen.batched and [it.prompt for it in gen.inputs] == [[1, 2], [1, 2], [3], [3]]  # prompt-major
+    assert len({it.rid for it in gen.inputs}) == 4
+    gen = parse_generate({"input_ids": [[1], [2]], "rid": "job"}, V, None, lambda: next(ids))
+    assert [it.rid for it in gen.inputs] == ["job_0", "job_1"]
+    single = parse_generate({"input_ids": [4, 5], "sampling_params": {"n": 3}}, V, None, lambda: next(ids))
+    assert single.batched and len(single.inputs) == 3  # n > 1 answers a list even for one prompt
+    with pytest.raises(RequestError, match="Cannot use list return_logprob with parallel_sample_num > 1"):
+        parse_generate({"input_ids": [[1]], "return_logprob": [True], "sampling_params": {"n": 2}}, V, None,
+                       lambda: next(ids))
+    with pytest.raises(RequestError, match="parallel_sample_num should be the same"):
+        parse_generate({"input_ids": [[1], [2]], "sampling_params": [{"n": 1}, {"n": 2}]}, V, None, lambda: next(ids))
