@@ -106,22 +106,34 @@ def test_a_broken_update_is_found_by_tensor_name(server, tmp_path, capsys):
                                                         for name in broken})
 
 
-def test_nan_in_the_engine_is_a_finding_answered_as_null(server):
-    """A sync that wrote NaN: the server answers null as SGLang's orjson does (not a 500), and the check
-    names the tensor and the cause instead of stopping."""
+def test_nan_in_the_engine_is_a_finding_answered_as_null(tmp_path):
+    """An engine holding NaN (here: started from a checkpoint that has one; a weight update carrying
+    NaN is refused): the server answers null as SGLang's orjson does (not a 500), and the check names
+    the tensor and the cause instead of stopping."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
     ckpt = open_checkpoint(CKPT)
     norm = "model.language_model.norm.weight"
-    poisoned = ckpt.get(norm).clone()
-    poisoned[5] = float("nan")
-    client = SGLangClient(server.url)
-    client.update_weights_from_tensor({"norm.weight": poisoned})
-    answer = requests.post(server.url + "/get_weights_by_name", json={"name": "model.norm.weight"}, timeout=30).json()
-    assert answer[5] is None and answer[4] is not None
-    report = verify_engine(CKPT, server.url, sample=0, progress=False)
-    assert [r["name"] for r in report.differing] == [norm] and report.differing[0]["differing"] == 1
-    assert report.differing[0]["cause"].startswith("non-finite")
-    client.update_weights_from_tensor({"norm.weight": ckpt.get(norm)})
-    assert verify_engine(CKPT, server.url, sample=0, progress=False).passed
+    poisoned_dir = tmp_path / "poisoned"
+    shutil.copytree(CKPT, poisoned_dir)
+    tensors = load_file(str(poisoned_dir / "model.safetensors"))
+    tensors[norm] = tensors[norm].clone()
+    tensors[norm][5] = float("nan")
+    save_file(tensors, str(poisoned_dir / "model.safetensors"), metadata={"format": "pt"})
+    server = Server(checkpoint=poisoned_dir)
+    try:
+        answer = requests.post(server.url + "/get_weights_by_name", json={"name": "model.norm.weight"},
+                               timeout=30).json()
+        assert answer[5] is None and answer[4] is not None
+        report = verify_engine(CKPT, server.url, sample=0, progress=False)
+        assert [r["name"] for r in report.differing] == [norm] and report.differing[0]["differing"] == 1
+        assert report.differing[0]["cause"].startswith("non-finite")
+        SGLangClient(server.url).update_weights_from_tensor({"norm.weight": ckpt.get(norm)})
+        assert verify_engine(CKPT, server.url, sample=0, progress=False).passed
+    finally:
+        server.kill()
 
 
 def test_an_engine_in_bfloat16_matches_as_bfloat16():
