@@ -70,14 +70,16 @@ def main(argv=None):
     proc, url = start_server(args.checkpoint, args.device, args.max_batch)
     try:
         client = SGLangClient(url, timeout_s=args.time_limit_s, retries=0)
-        info = client.model_info()
+        from glmkit.checkpoint import open_checkpoint
+
+        vocab = open_checkpoint(args.checkpoint).config.vocab_size
         g = torch.Generator().manual_seed(0)
-        prompts = [torch.randint(3, info["vocab_size"], (int(n),), generator=g).tolist()
+        prompts = [torch.randint(3, vocab, (int(n),), generator=g).tolist()
                    for n in torch.randint(8, 65, (args.requests,), generator=g)]
         client.generate(input_ids=prompts[0], sampling_params={"max_new_tokens": 2})  # warm-up
         latencies, lost, next_index, lock = [], [], iter(range(args.requests)), threading.Lock()
         deadline = time.perf_counter() + args.time_limit_s
-        sampling = {"max_new_tokens": args.max_new_tokens, "temperature": 1.0}
+        sampling = {"max_new_tokens": args.max_new_tokens, "temperature": 1.0, "ignore_eos": True}
 
         def worker():
             while time.perf_counter() < deadline:
@@ -102,7 +104,7 @@ def main(argv=None):
             t.join()
         wall = time.perf_counter() - began
         served = len(latencies)
-        after = client.model_info()
+        after = client.server_info()["internal_states"][0]
     finally:
         proc.kill()
         proc.wait(30)

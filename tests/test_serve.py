@@ -394,7 +394,8 @@ def test_weight_updates_change_the_logprobs(server, updates_root, tmp_path):
     poisoned = head.clone()
     poisoned[3, 5] = float("nan")
     with pytest.raises(SGLangError, match=r"hold NaN or Inf, e.g. 'lm_head.weight': update refused"):
-        client.update_weights_from_tensor({"lm_head.weight": poisoned, "model.norm.weight": torch.ones(64)})
+        client.update_weights_from_tensor({"model.norm.weight": torch.ones(64) * 3, "lm_head.weight": poisoned})
+    assert torch.equal(logprobs()[0], restored)  # nothing of the refused update was written
     assert logprobs()[1] == "disk-1"  # refused updates changed nothing
 
 
