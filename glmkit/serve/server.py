@@ -667,8 +667,13 @@ class Batcher:
             self._settle(call.future, error=err)
 
     def _hold_while_paused(self, slots=None) -> None:
+        """While generation is paused: retract or abort what holds slots (by the pause's mode), then run
+        the calls that come (weight loads) until continue. Not paused: nothing (a waiting call runs when
+        the batch has drained, as SGLang's weight updates wait for the requests in flight)."""
         with self.cond:
-            mode = self.pause_mode if self.paused else None
+            if not self.paused:
+                return
+            mode = self.pause_mode
         if slots is not None and mode in ("abort", "retract"):
             evicted = slots.evict_all()
             for it, c in evicted:
