@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import copy
 import html
+from html.parser import HTMLParser
 import json
 import os
 import re
@@ -171,8 +172,11 @@ verdict: {html.escape(verdict_label(verdict))}</div>
 
 def offline_notebook(nb):
     """A copy of an executed notebook for the report: no widget state, and each output without its
-    code representations (`CODE_MIMETYPES`); what `widgets.show` displayed keeps its static PNG or
+    code representations (`CODE_MIMETYPES`) and SVG (it can carry scripts and links); its HTML
+    through the sanitiser (`glmkit.seal`); what `widgets.show` displayed keeps its static PNG or
     HTML, and a bare widget (nothing but its text repr left) is dropped."""
+    from glmkit.seal import sanitize_html
+
     nb = copy.deepcopy(nb)
     nb.metadata.pop("widgets", None)
     for cell in nb.cells:
@@ -182,49 +186,87 @@ def offline_notebook(nb):
         for output in cell.get("outputs", []):
             data = output.get("data")
             if data is not None:
-                code = [m for m in CODE_MIMETYPES if m in data]
+                code = [m for m in (*CODE_MIMETYPES, "image/svg+xml") if m in data]
                 for mime in code:
                     del data[mime]
                 if code and set(data) <= {"text/plain"}:
                     continue
+                if "text/html" in data:
+                    html_text = data["text/html"]
+                    data["text/html"] = sanitize_html("".join(html_text) if isinstance(html_text, list) else html_text)
             kept.append(output)
         cell.outputs = kept
     return nb
 
 
+def _sealed_exporter():
+    """JupyterLab's HTML exporter with markdown (cells and outputs) rendered, then sanitised, and no
+    file read for an image a markdown cell names (only the notebook's own attachments are inlined)."""
+    import jinja2
+    from nbconvert import HTMLExporter
+
+    from glmkit.seal import sanitize_html
+
+    class SealedExporter(HTMLExporter):
+        def markdown2html(self, context, source):
+            return sanitize_html(super().markdown2html(context, source))
+
+    SealedExporter.markdown2html = jinja2.pass_context(SealedExporter.markdown2html)
+    return SealedExporter(template_name="lab", template_file=OFFLINE_TEMPLATE, embed_images=False,
+                          extra_loaders=[jinja2.DictLoader({OFFLINE_TEMPLATE: OFFLINE_TEMPLATE_TEXT})])
+
+
 # What a page must not hold to be self-contained: any <script> (inline or loaded), any tag that
 # loads a file (<link href>, <iframe/embed/frame src>, <object data>) other than from a data: URI,
 # a <base href>, and in its CSS (<style> blocks, style attributes) @import or a url() not data:.
-_TAGS = [
-    re.compile(r"<script\b[^>]*>", re.IGNORECASE),
-    re.compile(r"<link\b[^>]*\bhref\s*=\s*(?![\"']?data:)[^>]*>", re.IGNORECASE),
-    re.compile(r"<(?:iframe|embed|frame)\b[^>]*\bsrc\s*=\s*(?![\"']?data:)[^>]*>", re.IGNORECASE),
-    re.compile(r"<object\b[^>]*\bdata\s*=\s*(?![\"']?data:)[^>]*>", re.IGNORECASE),
-    re.compile(r"<base\b[^>]*>", re.IGNORECASE),
-]
-_CSS = re.compile(r"<style\b[^>]*>(.*?)</style>|\bstyle\s*=\s*(\"[^\"]*\"|'[^']*')", re.IGNORECASE | re.DOTALL)
+# Read with an HTML parser, so text that only looks like markup (escaped code) is text.
 _CSS_FETCH = re.compile(r"@import\b[^;]*;?|url\(\s*[\"']?(?!data:)[^)]*\)", re.IGNORECASE)
+_LOADS = {"link": "href", "iframe": "src", "embed": "src", "frame": "src", "object": "data"}
+
+
+class _Resources(HTMLParser):
+    def __init__(self):
+        super().__init__(convert_charrefs=True)
+        self.found, self.in_style = [], False
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        shown = f"<{tag} " + " ".join(f'{k}="{v}"' for k, v in attrs.items() if v is not None)
+        if tag in ("script", "base"):
+            self.found.append(shown[:200])
+        elif tag in _LOADS and attrs.get(_LOADS[tag]) and not attrs[_LOADS[tag]].strip().startswith("data:"):
+            self.found.append(shown[:200])
+        self.found += [m.group(0)[:200] for m in _CSS_FETCH.finditer(attrs.get("style") or "")]
+        self.in_style = tag == "style"
+
+    def handle_endtag(self, tag):
+        if tag == "style":
+            self.in_style = False
+
+    def handle_data(self, data):
+        if self.in_style:
+            self.found += [m.group(0)[:200] for m in _CSS_FETCH.finditer(data)]
 
 
 def external_resources(page: str) -> list[str]:
     """The places in an HTML page that would run a script or fetch a file (an empty list: the page
     is self-contained). Images from data: URIs, links (<a href>) and text are fine."""
-    found = [m.group(0)[:200] for pattern in _TAGS for m in pattern.finditer(page)]
-    for css in _CSS.finditer(page):
-        found += [m.group(0)[:200] for m in _CSS_FETCH.finditer(css.group(1) or css.group(2))]
-    return found
+    reader = _Resources()
+    reader.feed(page)
+    reader.close()
+    return reader.found
 
 
 def notebook_html(executed: Path, header: str) -> str:
-    """The executed notebook as one self-contained HTML page (`offline_notebook` exported with
-    JupyterLab's template less its script blocks; images inline as data URIs), header first.
-    Raises ValueError naming what would still load or run code."""
-    import jinja2
+    """The executed notebook as one sealed HTML page (`offline_notebook` exported with JupyterLab's
+    template less its script blocks, markdown sanitised; images inline as data URIs), header first,
+    the Content-Security-Policy first in <head>. Raises ValueError naming what would still load or
+    run code (the last guard: the sanitiser leaves nothing for it to find)."""
     import nbformat
-    from nbconvert import HTMLExporter
 
-    exporter = HTMLExporter(template_name="lab", template_file=OFFLINE_TEMPLATE, embed_images=True,
-                            extra_loaders=[jinja2.DictLoader({OFFLINE_TEMPLATE: OFFLINE_TEMPLATE_TEXT})])
+    from glmkit.seal import with_csp
+
+    exporter = _sealed_exporter()
     body, _ = exporter.from_notebook_node(offline_notebook(nbformat.read(str(executed), as_version=4)))
     start = body.find("<body")
     if start < 0:
@@ -236,7 +278,7 @@ def notebook_html(executed: Path, header: str) -> str:
     if found:
         raise ValueError(f"{executed}: the report would load or run code, so it is not written: "
                          + "; ".join(found[:3]) + " (display a static image or HTML instead)")
-    return page
+    return with_csp(page)
 
 
 def run_notebook(notebook, out_dir, parameters: dict, name: str | None = None) -> Path:

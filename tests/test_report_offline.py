@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+from html.parser import HTMLParser
 import sys
 from pathlib import Path
 
@@ -120,14 +121,119 @@ def test_executed_notebook_keeps_one_output_per_view_for_a_live_frontend(views_r
         assert output["data"][WIDGET_VIEW]["model_id"] in state
 
 
-def test_a_notebook_whose_output_loads_code_gets_no_report(tmp_path):
-    page = notebook(tmp_path / "cdn.ipynb", "from IPython.display import HTML, display\n"
-                    "display(HTML('<script src=\"https://cdn.example.org/chart.js\"></script><b>chart</b>'))")
+# Known ways an HTML output makes a page fetch, navigate or run something (issue 33's list)
+BYPASSES = [
+    '<script src="https://cdn.example.org/chart.js"></script>',
+    '<img src="http://evil.example/x.png">',
+    '<img src=x onerror="fetch(\'https://evil.example\')">',
+    '<meta http-equiv="refresh" content="0; url=https://evil.example/">',
+    '<img srcset="https://evil.example/a.png 1x" src="data:image/png;base64,iVBORw0KGgo=">',
+    '<video src="https://evil.example/v.mp4" poster="https://evil.example/p.png"></video>',
+    '<audio><source src="https://evil.example/a.mp3"></audio>',
+    '<iframe src="https://evil.example"></iframe>',
+    '<object data="https://evil.example/o.swf"></object>',
+    '<embed src="https://evil.example/e.swf">',
+    '<base href="https://evil.example/">',
+    '<link rel="stylesheet" href="https://evil.example/s.css">',
+    '<style>body { background: url(https://evil.example/bg.png) }</style>',
+    '<div style="background-image: url(https://evil.example/bg.png)">styled</div>',
+    '<svg><use href="https://evil.example/sprite.svg#a"></use></svg>',
+    '<svg><image xlink:href="https://evil.example/i.png"></image></svg>',
+    '<a href="javascript:alert(1)">js link</a>',
+    '<form action="https://evil.example/post"><input name="q"><button formaction="https://evil.example">go</button></form>',
+    '<table background="https://evil.example/t.png"><tr><td>cell</td></tr></table>',
+    '<body onload="fetch(\'https://evil.example\')">',
+    '<math><a xlink:href="https://evil.example">m</a></math>',
+    '<img src="//evil.example/protocol-relative.png">',
+    '<a href="https://example.org/docs" target="_blank">a docs link</a>',
+]
+URL_ATTRIBUTES = {"src", "srcset", "href", "xlink:href", "action", "formaction", "poster", "background", "data",
+                  "ping"}
+FORBIDDEN_TAGS = {"meta", "iframe", "object", "embed", "video", "audio", "source", "form", "svg", "base", "script",
+                  "link", "frame", "use", "image"}
+
+
+class _Fetching(HTMLParser):
+    """Elements and attributes as a browser reads them (escaped code is text, not markup)."""
+
+    def __init__(self):
+        super().__init__(convert_charrefs=True)
+        self.found, self.in_style = [], False
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "meta":  # the template's charset and viewport, and the CSP; never a refresh
+            equiv = dict(attrs).get("http-equiv")
+            if equiv is not None and equiv != "Content-Security-Policy":
+                self.found.append(f"<meta http-equiv={equiv}>")
+            return
+        if tag in FORBIDDEN_TAGS:
+            self.found.append(f"<{tag}>")
+        for name, value in attrs:
+            value = (value or "").strip()
+            if name.startswith("on"):
+                self.found.append(f"{tag} {name}")
+            elif name in URL_ATTRIBUTES:
+                if name == "src" and tag == "img" and value.startswith("data:image/"):
+                    continue
+                if name == "href" and tag == "a" and value.startswith(("https://", "http://", "#")):
+                    continue
+                if name == "href" and tag == "link" and value.startswith("data:"):
+                    continue
+                self.found.append(f"{tag} {name}={value[:60]}")
+            elif name == "style" and re.search(r"url\(\s*[\"']?(?!data:)", value, re.IGNORECASE):
+                self.found.append(f"{tag} style={value[:60]}")
+        self.in_style = tag == "style"
+
+    def handle_endtag(self, tag):
+        self.in_style = False if tag == "style" else self.in_style
+
+    def handle_data(self, data):
+        if self.in_style and re.search(r"url\(\s*[\"']?(?!data:)|@import", data, re.IGNORECASE):
+            self.found.append("css fetch in <style>")
+
+
+def fetching(page: str) -> list[str]:
+    """What in a sealed page could fetch or navigate by itself: any URL attribute other than an inline
+    image or a link a reader clicks, event handlers, a refresh, CSS urls, frames, forms and media."""
+    reader = _Fetching()
+    reader.feed(page)
+    reader.close()
+    return reader.found
+
+
+def test_a_report_is_sealed_against_known_bypasses(tmp_path):
+    """Every bypass displayed as an HTML output (and written into a markdown cell) leaves nothing in
+    the page that fetches, navigates or runs; the text around it stays; the CSP comes first in <head>.
+    No browser runs here: the page is checked as text (the CSP would block a request a browser made)."""
+    cells = ["from IPython.display import HTML, Markdown, display"]
+    cells += [f"display(HTML({b!r} + '<p>after {i}</p>'))" for i, b in enumerate(BYPASSES)]
+    cells.append("display(Markdown('![tracker](https://evil.example/m.png) and <img src=x onerror=alert(1)> md'))")
+    page = notebook(tmp_path / "hostile.ipynb", *cells,
+                    markdown="# Notes\n\n![pixel](https://evil.example/pixel.png)\n\n<iframe src='https://evil.example'>"
+                             "</iframe>\n\n[ok link](https://example.org) and $x^2$")
     out = tmp_path / "report"
     done = glmkit_report(page, "--out", out)
-    assert done.returncode == 2
-    assert "would load or run code" in done.stderr and "cdn.example.org" in done.stderr
-    assert not (out / "cdn.html").exists() and (out / "cdn.ipynb").is_file()
+    assert done.returncode == 0, done.stderr
+    text = (out / "hostile.html").read_text()
+    assert_offline(text)
+    assert fetching(text) == [], fetching(text)[:5]
+    for i in range(len(BYPASSES)):
+        assert f"after {i}" in text                               # the harmless text around each survives
+    assert 'href="https://example.org/docs"' in text and 'href="https://example.org"' in text and "$x^2$" in text
+    head = text[text.lower().index("<head"):]
+    assert head[head.index(">") + 1:].lstrip().startswith('<meta http-equiv="Content-Security-Policy"')
+    assert "default-src 'none'" in text and "script-src 'none'" in text
+
+
+def test_the_sanitiser_keeps_what_views_draw():
+    from glmkit.seal import sanitize_html
+
+    table = ('<table style="border-collapse:collapse"><tr class="verdict-pass"><th>name</th><td style="color:#1b7f3b;'
+             'background-image:url(https://evil.example/x)">ok</td></tr></table><img src="data:image/png;base64,iVBO'
+             'Rw0KGgo=" alt="figure"><pre><code>train/grad_norm</code></pre>')
+    clean = sanitize_html(table)
+    assert '<tr class="verdict-pass">' in clean and "color:#1b7f3b" in clean and "url(" not in clean
+    assert 'src="data:image/png;base64,iVBORw0KGgo="' in clean and "<code>train/grad_norm</code>" in clean
 
 
 def test_a_javascript_output_is_dropped_not_run(tmp_path):

@@ -1,0 +1,66 @@
+"""Sealed reports: what a notebook displayed becomes HTML only through an allow-list sanitiser (nh3,
+the Rust `ammonia` library), and the page forbids every network request with its own
+Content-Security-Policy.
+
+Kept from notebook output: text structure (paragraphs, headings, lists, tables, code), links a reader
+may click (http, https, in-page anchors; opened with noopener), images whose source is inline
+(`data:image/...`), and inline styles limited to layout and colour properties (no property that can
+take a url()). Everything else goes: scripts and event handlers, frames, objects, embeds, media,
+forms, `<base>`, `<link>`, `<meta>` (so no refresh), `<style>` blocks, `srcset`, SVG, relative and
+non-http URLs. The CSP is the second wall: it allows images and fonts from data: URIs and the page's
+own inline styles, and nothing else (no script, no connection, no frame, no form target, no base URI).
+"""
+
+from __future__ import annotations
+
+import re
+
+CSP = ("default-src 'none'; img-src data:; font-src data:; style-src 'unsafe-inline'; script-src 'none'; "
+       "connect-src 'none'; frame-src 'none'; object-src 'none'; media-src 'none'; base-uri 'none'; "
+       "form-action 'none'")
+CSP_META = f'<meta http-equiv="Content-Security-Policy" content="{CSP}">'
+
+TAGS = {"a", "abbr", "b", "blockquote", "br", "caption", "cite", "code", "col", "colgroup", "dd", "del", "details",
+        "div", "dl", "dt", "em", "figcaption", "figure", "h1", "h2", "h3", "h4", "h5", "h6", "hr", "i", "img", "ins",
+        "kbd", "li", "mark", "ol", "p", "pre", "q", "s", "samp", "small", "span", "strong", "sub", "summary", "sup",
+        "table", "tbody", "td", "tfoot", "th", "thead", "tr", "u", "ul", "var"}
+COMMON = {"title", "class", "style", "align"}
+ATTRIBUTES = {"*": COMMON, "a": {"href"}, "img": {"src", "alt", "width", "height"},
+              "td": {"colspan", "rowspan"}, "th": {"colspan", "rowspan", "scope"}, "ol": {"start"}}
+# CSS properties that cannot fetch anything (no url(), no image, no font face)
+STYLE_PROPERTIES = {"color", "background-color", "text-align", "vertical-align", "font-weight", "font-style",
+                    "font-size", "font-family", "white-space", "border", "border-collapse", "border-color",
+                    "border-width", "border-style", "padding", "padding-left", "padding-right", "padding-top",
+                    "padding-bottom", "margin", "margin-left", "margin-right", "margin-top", "margin-bottom",
+                    "width", "height", "max-width", "max-height", "min-width", "display", "text-decoration",
+                    "line-height", "overflow", "overflow-x"}
+_INLINE_IMAGE = re.compile(r"data:image/(png|jpeg|gif|webp);base64,[A-Za-z0-9+/=\s]*\Z", re.IGNORECASE)
+_LINK = re.compile(r"(https?://|#)", re.IGNORECASE)
+
+
+def _attribute(element: str, attribute: str, value: str):
+    """nh3's per-attribute hook: URLs only where they cannot fetch on their own."""
+    if attribute == "src":
+        return value if element == "img" and _INLINE_IMAGE.match(value.strip()) else None
+    if attribute == "href":
+        return value if element == "a" and _LINK.match(value.strip()) else None
+    return value
+
+
+def sanitize_html(fragment: str) -> str:
+    """A notebook output's HTML -> the same with only what the allow-list keeps."""
+    import nh3
+
+    return nh3.clean(fragment, tags=TAGS, attributes=ATTRIBUTES, attribute_filter=_attribute,
+                     url_schemes={"http", "https", "data"}, filter_style_properties=STYLE_PROPERTIES,
+                     clean_content_tags={"script", "style"}, link_rel="noopener noreferrer nofollow",
+                     strip_comments=True)
+
+
+def with_csp(page: str) -> str:
+    """The page with its Content-Security-Policy as the first element of <head> (before anything a
+    browser could fetch)."""
+    at = re.search(r"<head\b[^>]*>", page, re.IGNORECASE)
+    if at is None:
+        return f"<head>{CSP_META}</head>" + page
+    return page[:at.end()] + CSP_META + page[at.end():]
