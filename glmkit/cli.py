@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 
 DTYPES = {"float32": "float32", "bfloat16": "bfloat16"}
@@ -675,7 +676,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--enable-r3", action="store_true", help="routing replay: the trainer uses the rollout's experts")
         p.add_argument("--use-rollout-indexer-replay", action="store_true",
                        help="DSA top-k replay: the trainer attends over the positions the rollout selected")
-        p.add_argument("--lora-rank", type=int, default=8 if lora_required else 0)
+        # glmkit lora train: rank >= 1 (rank 0 would train every weight); glmkit train: 0 = full weights
+        p.add_argument("--lora-rank", type=_positive if lora_required else _non_negative,
+                       default=8 if lora_required else 0)
         p.add_argument("--lora-alpha", type=float, default=16.0)
         p.add_argument("--target-modules", default="attn,mlp")
         p.add_argument("--exclude-modules", default=DEFAULT_EXCLUDE)
@@ -933,12 +936,76 @@ def main(argv=None) -> int:
     try:
         _require_device(args)
         return args.func(args)
-    except (CheckpointError, ValueError, FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError,
-            ImportError, ConnectionError) as err:
+    except KeyboardInterrupt:
+        print(f"glmkit {args.command}: interrupted (outputs are renamed into place only when complete: nothing "
+              f"half-written is left as if it were whole)", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except OSError as err:
+        if _environment_error(err):
+            where = f": {err.filename}" if getattr(err, "filename", None) else ""
+            print(f"glmkit {args.command}: environment error: {err.strerror or err}{where} (nothing half-written is "
+                  f"left in place)", file=sys.stderr)
+            return EXIT_ENVIRONMENT
+        if isinstance(err, (FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError,
+                            ConnectionError)):
+            print(_error_text(args.command, err), file=sys.stderr)
+            return EXIT_BAD_INPUT
+        return _internal_error(args.command, err)
+    except (CheckpointError, ValueError, ImportError) as err:
+        if isinstance(err, ValueError) and not isinstance(err, CheckpointError) and not _raised_by_glmkit(err):
+            return _internal_error(args.command, err)  # a library's ValueError: not the user's input
         print(_error_text(args.command, err), file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
+    except Exception as err:  # noqa: BLE001 - the error contract: exit 3, the traceback kept in a file
+        return _internal_error(args.command, err)
     finally:
         warnings.showwarning = default_show
+
+
+# The CLI's error contract: 0 done, 1 a run that fails its check, 2 bad input (one line naming it),
+# 3 an internal error (traceback saved to a file), 4 the environment (disk full, permission denied,
+# read-only), 130 interrupted.
+EXIT_CHECK_FAILED, EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_ENVIRONMENT, EXIT_INTERRUPTED = 1, 2, 3, 4, 130
+
+
+def _environment_error(err: OSError) -> bool:
+    import errno
+
+    return isinstance(err, PermissionError) or err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES,
+                                                             errno.EPERM, errno.EMFILE, errno.ENOMEM)
+
+
+def _raised_by_glmkit(err: BaseException) -> bool:
+    """Whether the innermost frame that raised `err` is glmkit's own code (its checks of the user's
+    input raise ValueError with the reason) rather than a library's."""
+    tb = err.__traceback__
+    last = None
+    while tb is not None:
+        last, tb = tb, tb.tb_next
+    if last is None:
+        return True
+    package = Path(__file__).resolve().parent
+    filename = Path(last.tb_frame.f_code.co_filename).resolve()
+    return package in filename.parents or package.parent / "widgets" in filename.parents
+
+
+def _internal_error(command: str, err: BaseException) -> int:
+    """A bug, not the user's input: one line, and the traceback in a file whose path is printed."""
+    import tempfile
+    import traceback
+
+    folder = Path(tempfile.gettempdir()) / "glmkit-errors"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"glmkit-{command}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.txt"
+        path.write_text("".join(traceback.format_exception(err)))
+        saved = f"traceback saved to {path}"
+    except OSError:
+        saved = "the traceback could not be saved:\n" + "".join(traceback.format_exception(err))
+    first = (str(err).splitlines() or [""])[0][:300]
+    print(f"glmkit {command}: internal error: {type(err).__name__}: {first} ({saved}; please report it)",
+          file=sys.stderr)
+    return EXIT_INTERNAL
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 import socket
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -27,12 +28,68 @@ STALE_ELSEWHERE_S = 24 * 3600  # another host's staging directory: stale when un
 _STAGING = re.compile(r"\.(?P<name>.+)\.tmp-(?P<host>.+)-(?P<pid>\d+)-[a-z0-9_]{8}")
 
 
+def _writer() -> str:
+    from glmkit import __version__
+
+    command = " ".join(Path(a).name if i == 0 else a for i, a in enumerate(sys.argv[:3]))
+    return f"glmkit {__version__}, written by `{command}` (pid {os.getpid()} on {socket.gethostname()})"
+
+
 def mark(folder: Path, what: str) -> None:
-    (Path(folder) / MARKER).write_text(f"glmkit {what}: glmkit --overwrite may replace this directory\n")
+    """The marker of a directory glmkit wrote: its kind, glmkit's version and the command that wrote it."""
+    (Path(folder) / MARKER).write_text(f"kind: {what}\n{_writer()}\nglmkit --overwrite may replace this directory\n")
 
 
 def is_glmkit_output(folder: Path) -> bool:
     return (Path(folder) / MARKER).is_file()
+
+
+def file_marker(path: Path) -> Path:
+    """A file glmkit writes (a metrics stream) is marked by `.NAME.glmkit-output` beside it."""
+    path = Path(path)
+    return path.with_name(f".{path.name}{MARKER}")
+
+
+def mark_file(path: Path, what: str) -> None:
+    file_marker(path).write_text(f"kind: {what}\n{_writer()}\nglmkit --overwrite may replace {Path(path).name}\n")
+
+
+def is_glmkit_file(path: Path) -> bool:
+    return file_marker(path).is_file()
+
+
+def through_link(path: Path) -> bool:
+    """Whether `path` or any folder above it is a symbolic link."""
+    path = Path(os.path.abspath(path))
+    return any(p.is_symlink() for p in (path, *path.parents))
+
+
+def refuse_replacing(path: Path, flag: str, what: str, inputs: dict | None = None) -> None:
+    """Checks before --overwrite removes the file `path`: it must be a regular file glmkit marked as
+    `what`, reached through no symbolic link, and none of this command's inputs. One-line refusals."""
+    path = Path(path)
+    for name, given in (inputs or {}).items():
+        if given and os.path.exists(given) and os.path.exists(path) and os.path.samefile(given, path):
+            raise ValueError(f"{flag} {path} is this run's {name}: it is never replaced; choose another {flag}")
+    if through_link(path):
+        raise ValueError(f"{flag} {path}: reached through a symbolic link; --overwrite never removes through one "
+                         f"(name the file itself)")
+    if not path.is_file():
+        raise ValueError(f"{flag} {path}: not a regular file; --overwrite replaces only files glmkit wrote")
+    if not is_glmkit_file(path):
+        raise ValueError(f"{flag} {path}: not a {what} glmkit wrote (no {file_marker(path).name} beside it); "
+                         f"--overwrite replaces only those: remove it yourself or choose another {flag}")
+
+
+def refuse_input_as_output(path: Path, flag: str, inputs: dict) -> None:
+    """An output path must not be one of the same command's inputs (same file, or a folder holding it)."""
+    target = Path(os.path.abspath(path))
+    for name, given in inputs.items():
+        if not given:
+            continue
+        source = Path(os.path.abspath(given))
+        if target == source or (os.path.exists(target) and os.path.exists(source) and os.path.samefile(target, source)):
+            raise ValueError(f"{flag} {path} is this run's {name}; an output never replaces an input")
 
 
 def _prefix(flag: str | None, path) -> str:
@@ -148,3 +205,56 @@ def move_into_place(staged: Path, target: Path) -> None:
         shutil.rmtree(old)
     else:
         old.unlink()
+
+
+class RunLock:
+    """An advisory lock on an output (a file or a directory) while a command writes it:
+    `.NAME.glmkit-lock` beside it, held with flock and naming its holder (pid, host, start time).
+    A second writer is refused with the holder named. A lock file left by a process that died (flock
+    free, and its pid on this host gone) is taken over with a warning; one of another host, whose
+    process cannot be checked, is refused until its holder ends or a user removes the file."""
+
+    def __init__(self, target, flag: str):
+        self.target, self.flag = Path(os.path.abspath(target)), flag
+        self.path = self.target.with_name(f".{self.target.name}.glmkit-lock")
+        self.handle = None
+
+    def __enter__(self):
+        import fcntl
+        import warnings
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(self.path, "a+")
+        handle.seek(0)
+        before = handle.read().strip()
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            handle.close()
+            raise ValueError(f"{self.flag} {self.target} is in use by another glmkit run ({before or 'holder unknown'});"
+                             f" wait for it to end or choose another {self.flag}") from None
+        holder = dict(part.split("=", 1) for part in before.split() if "=" in part)
+        if holder.get("host") not in (None, socket.gethostname()):
+            fcntl.flock(handle, fcntl.LOCK_UN)
+            handle.close()
+            raise ValueError(f"{self.flag} {self.target} is locked by a run on another host ({before}); if that run "
+                             f"has ended, remove {self.path}")
+        if before:
+            warnings.warn(f"{self.flag} {self.target}: took over the lock of a run that ended without releasing it "
+                          f"({before})", stacklevel=2)
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid={os.getpid()} host={socket.gethostname()} started={time.strftime('%Y-%m-%dT%H:%M:%S')}\n")
+        handle.flush()
+        self.handle = handle
+        return self
+
+    def __exit__(self, *exc):
+        import fcntl
+
+        if self.handle is not None:
+            self.path.unlink(missing_ok=True)
+            fcntl.flock(self.handle, fcntl.LOCK_UN)
+            self.handle.close()
+            self.handle = None
+        return False

@@ -225,10 +225,26 @@ def test_a_new_run_never_overwrites_an_earlier_one(tmp_path):
     refused = run_cli("--num-rollout", 1, "--metrics-out", tmp_path / "other.jsonl", "--save", save)
     assert refused.returncode == 2 and "already holds checkpoints" in refused.stderr
     assert (save / "latest_checkpointed_iteration.txt").read_text() == "4"
-    replaced = run_cli("--num-rollout", 1, "--rollout-batch-size", 4, "--global-batch-size", 32,
-                       "--metrics-out", metrics, "--overwrite")
+    # --overwrite replaces only a metrics file glmkit wrote (marked beside it), never someone's JSON rows
+    foreign = run_cli("--num-rollout", 1, "--metrics-out", metrics, "--overwrite")
+    assert foreign.returncode == 2 and "not a metrics file glmkit wrote" in foreign.stderr
+    assert metrics.read_text() == '{"step": 0, "rollout/raw_reward": 0.5}\n'
+    small = ("--num-rollout", 1, "--rollout-batch-size", 4, "--global-batch-size", 32)
+    mine = tmp_path / "mine.jsonl"
+    assert run_cli(*small, "--metrics-out", mine).returncode == 0
+    assert (tmp_path / ".mine.jsonl.glmkit-output").read_text().startswith("kind: metrics file\nglmkit ")
+    replaced = run_cli(*small, "--metrics-out", mine, "--overwrite")
     assert replaced.returncode == 0 and "--overwrite: removed" in replaced.stdout
-    assert [h["step"] for h in rollout_rows(read_metrics(metrics))] == [0]
+    assert [h["step"] for h in rollout_rows(read_metrics(mine))] == [0]
+    data = tmp_path / "prompts.jsonl"  # the run's own input, named as its output: refused, kept
+    data.write_text('{"prompt": "1+1=", "label": "2"}\n')
+    same = run_cli(*small, "--prompt-data", data, "--metrics-out", data, "--overwrite")
+    assert same.returncode == 2 and "is this run's --prompt-data" in same.stderr
+    assert data.read_text() == '{"prompt": "1+1=", "label": "2"}\n'
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(mine)
+    through = run_cli(*small, "--metrics-out", link, "--overwrite")
+    assert through.returncode == 2 and "symbolic link" in through.stderr and mine.is_file()
 
 
 @pytest.mark.parametrize("flag, value", [("--num-rollout", 0), ("--global-batch-size", 0),

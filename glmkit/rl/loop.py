@@ -22,7 +22,8 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from glmkit.model.rollout import GREEDY_BELOW
-from glmkit.outputs import MARKER, check_dir_out, check_file_out, is_glmkit_output, staging_dir
+from glmkit.outputs import (MARKER, RunLock, check_dir_out, check_file_out, is_glmkit_file, is_glmkit_output, mark_file,
+                            refuse_input_as_output, refuse_replacing, staging_dir)
 from glmkit.rl import grpo
 from glmkit.rl.lora import DEFAULT_EXCLUDE
 
@@ -180,18 +181,6 @@ def _latest(cfg) -> Path | None:
     return folder
 
 
-def _is_metrics_file(path: Path) -> bool:
-    """Whether `path` looks like a metrics stream glmkit wrote: its first line a JSON object."""
-    with open(path, "rb") as f:
-        first = f.readline(1 << 16)
-    if not first.strip():  # a run stopped before its first row: nothing to lose
-        return True
-    try:
-        return isinstance(json.loads(first), dict)
-    except (ValueError, UnicodeDecodeError):
-        return False
-
-
 def _is_own_checkpoint(path: Path) -> bool:
     """An iter_* entry glmkit wrote: marked, or (written before the marker) holding its state.json and
     optimizer.safetensors, which a Megatron iter_* directory does not."""
@@ -199,11 +188,18 @@ def _is_own_checkpoint(path: Path) -> bool:
                                                          and (path / "optimizer.safetensors").is_file()))
 
 
+def _inputs(cfg) -> dict:
+    return {"--prompt-data": cfg.prompt_data, "--checkpoint": cfg.checkpoint, "--tokenizer": cfg.tokenizer}
+
+
 def _claim_outputs(cfg) -> list[str]:
     """Refuse to start over an earlier run's metrics or checkpoints unless told to; with --overwrite,
     clear what glmkit wrote there (the metrics file, iter_* and the latest marker). -> notes to print."""
     metrics = check_file_out(cfg.metrics_out, "--metrics-out")
+    refuse_input_as_output(metrics, "--metrics-out", _inputs(cfg))
     save = Path(cfg.save) if cfg.save else None
+    if save is not None:
+        refuse_input_as_output(save, "--save", _inputs(cfg))
     if save is not None:
         check_dir_out(save, "--save", whole=False)
     checkpoints = sorted(save.glob("iter_*")) + [m for m in [save / "latest_checkpointed_iteration.txt"]
@@ -218,10 +214,9 @@ def _claim_outputs(cfg) -> list[str]:
             raise ValueError(f"{save} already holds checkpoints ({checkpoints[-1].name}, ...): pass --resume to "
                              f"continue that run, or --overwrite to replace them")
         return []
-    # --overwrite removes only what glmkit wrote; anything else is the user's to remove
-    if metrics.exists() and not _is_metrics_file(metrics):
-        raise ValueError(f"--metrics-out {metrics}: not a metrics file glmkit wrote (JSON rows); --overwrite "
-                         f"replaces only those: remove it yourself or choose another --metrics-out")
+    # --overwrite removes only what glmkit wrote (marked, a regular file, not through a link, not an input)
+    if metrics.exists() or metrics.is_symlink():
+        refuse_replacing(metrics, "--metrics-out", "metrics file", _inputs(cfg))
     foreign = [p.name for p in checkpoints if p.name.startswith("iter_") and not _is_own_checkpoint(p)]
     if foreign:
         raise ValueError(f"--save {save}: {', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''} not written "
@@ -331,8 +326,6 @@ class GRPOTrainer:
         cfg.data_parallel is set): this process is one trainer rank; rank 0 alone rolls out, writes
         metrics and checkpoints."""
         from glmkit.checkpoint import open_checkpoint
-        from glmkit.model import TrainPath, load_model
-        from glmkit.rl import lora
         from glmkit.rl.data import load_prompts
         from glmkit.rl.tokenizer import load_tokenizer
 
@@ -365,6 +358,30 @@ class GRPOTrainer:
         open_checkpoint(cfg.checkpoint)  # names, shapes and dtypes from the headers, before the outputs are claimed
         # every input checked first (--overwrite removes an earlier run only once this one can start),
         # before anything slow: a refused run fails at once
+        # the run's outputs are locked from here to the end of run(): a second writer is refused
+        self.locks = ([RunLock(cfg.metrics_out, "--metrics-out")] + ([RunLock(cfg.save, "--save")] if cfg.save else [])
+                      if self.lead else [])
+        for lock in self.locks:
+            try:
+                lock.__enter__()
+            except BaseException:
+                self.release()
+                raise
+        try:
+            self._build(cfg, dtype, rollout, dp)
+        except BaseException:
+            self.release()
+            raise
+
+    def release(self):
+        """Let go of the outputs' locks (run() does at its end)."""
+        for lock in getattr(self, "locks", []):
+            lock.__exit__(None, None, None)
+
+    def _build(self, cfg, dtype, rollout, dp):
+        from glmkit.model import TrainPath, load_model
+        from glmkit.rl import lora
+
         self.notes = _claim_outputs(cfg) if self.lead else []
         latest = _latest(cfg) if cfg.resume else None  # a bad resume marker too
         self.policy = load_model(cfg.checkpoint, dtype, cfg.device)
@@ -646,6 +663,16 @@ class GRPOTrainer:
         steps = range(self.start_step, cfg.num_rollout)
         bar = tqdm(steps, desc="GRPO", unit="rollout", disable=not (cfg.progress and self.lead))
         # other data-parallel ranks compute the same rows and keep them; rank 0 alone writes them
+        if self.lead and not is_glmkit_file(out):
+            out.touch()
+            mark_file(out, "metrics file")
+        try:
+            return self._run(out, bar, history, on_metrics)
+        finally:
+            self.release()
+
+    def _run(self, out, bar, history, on_metrics):
+        cfg = self.cfg
         with (out.open("a") if self.lead else contextlib.nullcontext()) as stream:
             for step in bar:
                 rows = self.step(step)
