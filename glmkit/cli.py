@@ -545,7 +545,7 @@ def cmd_serve(args) -> int:
           args.max_batch_size, args.allow_updates_from, on_ready=lambda line: print(line, flush=True),
           max_context=args.max_context, prefill_chunk=args.prefill_chunk, max_body=args.max_body_bytes,
           served_model_name=args.served_model_name, enable_memory_saver=args.enable_memory_saver,
-          seed=args.random_seed)
+          seed=args.random_seed, base_gpu_id=args.base_gpu_id)
     return 0
 
 
@@ -860,6 +860,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="report SGLang's memory saver as on in /server_info (the framework compares it with its "
                         "--offload-rollout); glmkit keeps its memory either way")
     p.add_argument("--random-seed", type=int, default=0, help="seeds requests that give no sampling_seed")
+    p.add_argument("--base-gpu-id", type=_non_negative, default=0,
+                   help="the base_gpu_id /server_info reports (the framework compares it for an external engine)")
     _backend_arguments(p)
     p.set_defaults(func=cmd_serve)
 

@@ -1162,7 +1162,7 @@ def serve(checkpoint, host: str = "127.0.0.1", port: int = 30000, device: str = 
           backends=None, tokenizer: str | None = None, max_batch: int = DEFAULT_MAX_BATCH, update_roots=(),
           window_s: float = 0.005, on_ready=print, max_context: int = DEFAULT_MAX_CONTEXT,
           prefill_chunk: int | None = None, max_body: int = DEFAULT_MAX_BODY, served_model_name: str | None = None,
-          enable_memory_saver: bool = False, seed: int = 0):
+          enable_memory_saver: bool = False, seed: int = 0, base_gpu_id: int = 0):
     """Load the checkpoint and serve until interrupted. Port 0 picks a free port; `on_ready` gets
     the line naming the address."""
     import uvicorn
@@ -1179,7 +1179,7 @@ def serve(checkpoint, host: str = "127.0.0.1", port: int = 30000, device: str = 
     sock.listen(2048)  # connections made from now on wait in the backlog until uvicorn accepts them
     bound = sock.getsockname()[1]
     # SGLang's server arguments as its /server_info echoes them (the framework compares some of them)
-    server_args = {"host": host, "port": bound, "nnodes": 1, "node_rank": 0, "gpu_id_step": 1, "base_gpu_id": 0,
+    server_args = {"host": host, "port": bound, "nnodes": 1, "node_rank": 0, "gpu_id_step": 1, "base_gpu_id": base_gpu_id,
                    "tp_size": 1, "dp_size": 1, "pp_size": 1, "ep_size": 1, "enable_memory_saver": enable_memory_saver,
                    "enable_return_routed_experts": True, "enable_return_indexer_topk": True,
                    "dtype": str(model.dtype).removeprefix("torch."), "load_format": "auto",

@@ -1,0 +1,121 @@
+"""Ownership and locks of what glmkit writes, and the CLI's error contract (issue 33)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+from glmkit.outputs import (RunLock, file_marker, is_glmkit_file, mark, mark_file, refuse_input_as_output,
+                            refuse_replacing)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_markers_say_kind_version_and_writer(tmp_path):
+    from glmkit import __version__
+
+    mark(tmp_path, "checkpoint")
+    text = (tmp_path / ".glmkit-output").read_text()
+    assert text.startswith("kind: checkpoint\n") and f"glmkit {__version__}, written by `" in text
+    metrics = tmp_path / "m.jsonl"
+    metrics.write_text("")
+    assert not is_glmkit_file(metrics)
+    mark_file(metrics, "metrics file")
+    assert is_glmkit_file(metrics) and file_marker(metrics).name == ".m.jsonl.glmkit-output"
+
+
+def test_replacing_is_refused_for_what_glmkit_did_not_write(tmp_path):
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"prompt": "x"}\n')
+    with pytest.raises(ValueError, match="not a metrics file glmkit wrote"):
+        refuse_replacing(data, "--metrics-out", "metrics file")
+    mark_file(data, "metrics file")
+    refuse_replacing(data, "--metrics-out", "metrics file")  # marked: allowed
+    with pytest.raises(ValueError, match="is this run's --prompt-data"):
+        refuse_replacing(data, "--metrics-out", "metrics file", {"--prompt-data": data})
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(data)
+    with pytest.raises(ValueError, match="symbolic link"):
+        refuse_replacing(link, "--metrics-out", "metrics file")
+    linked_dir = tmp_path / "linked"
+    linked_dir.symlink_to(tmp_path)
+    with pytest.raises(ValueError, match="symbolic link"):
+        refuse_replacing(linked_dir / "data.jsonl", "--metrics-out", "metrics file")
+    with pytest.raises(ValueError, match="not a regular file"):
+        refuse_replacing(Path("/dev/null"), "--metrics-out", "metrics file")
+    with pytest.raises(ValueError, match="an output never replaces an input"):
+        refuse_input_as_output(tmp_path / "data.jsonl", "--metrics-out", {"--prompt-data": str(data)})
+
+
+def test_a_second_writer_is_refused_with_the_holder_named(tmp_path):
+    target = tmp_path / "m.jsonl"
+    with RunLock(target, "--metrics-out"):
+        lock_file = tmp_path / ".m.jsonl.glmkit-lock"
+        assert f"pid={os.getpid()} host={socket.gethostname()}" in lock_file.read_text()
+        other = subprocess.run([sys.executable, "-c", "from glmkit.outputs import RunLock\n"
+                                f"RunLock({str(target)!r}, '--metrics-out').__enter__()"],
+                               capture_output=True, text=True, cwd=ROOT, timeout=60)
+        assert other.returncode == 1 and f"is in use by another glmkit run (pid={os.getpid()}" in other.stderr
+        with pytest.raises(ValueError, match="in use by another glmkit run"):  # another open file, same process
+            RunLock(target, "--metrics-out").__enter__()
+    assert not lock_file.exists()  # released at the end
+
+
+def test_a_stale_lock_is_taken_over_and_another_hosts_is_refused(tmp_path):
+    target = tmp_path / "out"
+    lock_file = tmp_path / ".out.glmkit-lock"
+    lock_file.write_text(f"pid=999999999 host={socket.gethostname()} started=2026-01-01T00:00:00\n")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with RunLock(target, "--out"):
+            assert f"pid={os.getpid()}" in lock_file.read_text()
+    assert any("took over the lock" in str(w.message) and "pid=999999999" in str(w.message) for w in caught)
+    lock_file.write_text("pid=12 host=elsewhere.example started=2026-01-01T00:00:00\n")
+    with pytest.raises(ValueError, match="locked by a run on another host .*host=elsewhere.example"):
+        RunLock(target, "--out").__enter__()
+
+
+def glmkit(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "glmkit", *map(str, args)], capture_output=True, text=True,
+                          cwd=ROOT, timeout=300, env={**os.environ, **(env or {})})
+
+
+def failing_check(body: str, tmp_path) -> subprocess.CompletedProcess:
+    """`glmkit check` whose command function is replaced by `body` (a statement raising something)."""
+    code = ("import errno, sys, numpy\nimport glmkit.cli as c\nreal = c.build_parser\n"
+            "def fail(args):\n    " + body + "\n"
+            "def build():\n    p = real()\n"
+            "    for action in p._subparsers._group_actions:\n"
+            "        action.choices['check'].set_defaults(func=fail)\n    return p\n"
+            "c.build_parser = build\nsys.exit(c.main(['check']))\n")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=300,
+                          env={**os.environ, "TMPDIR": str(tmp_path)})
+
+
+def test_the_error_contract(tmp_path):
+    """2: bad input, one line naming it; 3: an internal error (a library's ValueError is not the
+    user's input), one line and the traceback in a file; 4: the environment; 130: interrupted."""
+    bad = glmkit("ckpt", "synth", "--variant", "nope", "--out", tmp_path / "x")
+    last = bad.stderr.strip().splitlines()[-1]  # argparse's usage, then the one line naming the input
+    assert bad.returncode == 2 and "invalid choice: 'nope' (choose from" in last
+    internal = failing_check("numpy.zeros(3).reshape(2, 2)", tmp_path)
+    assert internal.returncode == 3, internal.stderr
+    assert "glmkit check: internal error: ValueError: cannot reshape" in internal.stderr
+    saved = Path(internal.stderr.split("traceback saved to ")[1].split(";")[0])
+    assert saved.is_file() and "Traceback" in saved.read_text() and saved.is_relative_to(tmp_path)
+    crash = failing_check("raise KeyError('bug')", tmp_path)
+    assert crash.returncode == 3 and "internal error: KeyError" in crash.stderr
+    full = failing_check("raise OSError(errno.ENOSPC, 'No space left on device', '/data/out')", tmp_path)
+    assert full.returncode == 4 and "environment error: No space left on device: /data/out" in full.stderr
+    denied = failing_check("open('/proc/1/mem', 'w')", tmp_path)
+    assert denied.returncode in (3, 4) and "Traceback" not in denied.stderr
+    interrupted = failing_check("raise KeyboardInterrupt", tmp_path)
+    assert interrupted.returncode == 130 and "interrupted" in interrupted.stderr
+    refused = glmkit("train", "--lr", "-1", "--metrics-out", tmp_path / "m.jsonl")  # glmkit's own check
+    assert refused.returncode == 2 and refused.stderr.strip() == "glmkit train: error: --lr must be > 0, got -1.0"
