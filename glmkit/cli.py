@@ -693,7 +693,10 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--metrics-out", default="reports/train/metrics.jsonl")
         p.add_argument("--save", help="checkpoint directory")
         p.add_argument("--save-interval", type=int, default=0)
-        p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint under --save")
+        p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint under --save "
+                       "(its recorded settings must match; see --accept-changes)")
+        p.add_argument("--accept-changes", default="", metavar="NAMES",
+                       help="with --resume: settings (comma-separated, e.g. lr,seed) that may differ from the run's")
         p.add_argument("--overwrite", action="store_true",
                        help="start over an earlier run's --metrics-out and --save checkpoints (default: refuse)")
         p.add_argument("--max-nonfinite-steps", type=_positive, default=3,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import math
 import subprocess
@@ -102,6 +104,11 @@ def test_resume_continues_the_same_run(tmp_path):
     GRPOTrainer(cfg).run()
     assert (tmp_path / "b" / "ckpt" / "iter_0000001" / "optimizer.safetensors").exists()
     cfg.num_rollout, cfg.resume = 4, True
+    changed = dataclasses.replace(cfg, lr=2e-3, seed=5)
+    with pytest.raises(ValueError, match=r"2 setting\(s\) differ .*--lr .*--seed 0 -> 5.*--accept-changes lr,seed"):
+        GRPOTrainer(changed)  # refused before anything is loaded or written; the lock is let go
+    with pytest.raises(ValueError, match="--accept-changes nope: not a setting"):
+        GRPOTrainer(dataclasses.replace(changed, accept_changes="lr,nope"))
     resumed = GRPOTrainer(cfg)
     assert resumed.start_step == 2
     resumed.run()

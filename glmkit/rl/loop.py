@@ -90,6 +90,7 @@ class TrainConfig:
     resume: bool = False
     overwrite: bool = False
     progress: bool = True
+    accept_changes: str = ""  # --resume: settings that may differ from the run's recorded ones (comma-separated)
 
     def resolved(self) -> "TrainConfig":
         """Fill unset fields from the --model-name preset and validate."""
@@ -179,6 +180,35 @@ def _latest(cfg) -> Path | None:
     if not folder.is_dir():
         raise ValueError(f"{marker} names iteration {int(text)} but {folder} does not exist")
     return folder
+
+
+# Settings a resumed run may change without being told: how far it goes, how often it saves, what it
+# prints and the resume / overwrite switches themselves. Any other difference changes the run's math.
+RESUMABLE_CHANGES = {"num_rollout", "save_interval", "progress", "resume", "overwrite", "accept_changes"}
+
+
+def _check_resumed_settings(cfg, folder: Path) -> None:
+    """--resume continues the run recorded in `folder`'s state.json: a setting that differs (other than
+    RESUMABLE_CHANGES and those named in --accept-changes) is refused, each named with both values."""
+    from dataclasses import asdict
+
+    try:
+        recorded = json.loads((folder / "state.json").read_text()).get("config") or {}
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{folder / 'state.json'}: cannot be read ({err}); --resume needs it") from None
+    accepted = {name.strip().lstrip("-").replace("-", "_") for name in cfg.accept_changes.split(",") if name.strip()}
+    known = {f for f in asdict(cfg)}
+    unknown = sorted(accepted - known)
+    if unknown:
+        raise ValueError(f"--accept-changes {', '.join(unknown)}: not a setting of glmkit train")
+    now = json.loads(json.dumps(asdict(cfg), default=str))
+    differing = [name for name in sorted(set(recorded) & set(now))
+                 if recorded[name] != now[name] and name not in RESUMABLE_CHANGES | accepted]
+    if differing:
+        shown = "; ".join(f"--{n.replace('_', '-')} {recorded[n]!r} -> {now[n]!r}" for n in differing[:8])
+        raise ValueError(f"--resume: {len(differing)} setting(s) differ from the run in {folder}: {shown}; resume "
+                         f"with the recorded values, or name the changes you mean with --accept-changes "
+                         f"{','.join(n.replace('_', '-') for n in differing)}")
 
 
 def _is_own_checkpoint(path: Path) -> bool:
@@ -384,6 +414,8 @@ class GRPOTrainer:
 
         self.notes = _claim_outputs(cfg) if self.lead else []
         latest = _latest(cfg) if cfg.resume else None  # a bad resume marker too
+        if latest is not None:
+            _check_resumed_settings(cfg, latest)
         self.policy = load_model(cfg.checkpoint, dtype, cfg.device)
         self.lora_names = []
         if cfg.lora_rank:
