@@ -145,6 +145,12 @@ def cmd_parity(args) -> int:
     if len(paths) != 2:
         raise ValueError(f"--paths takes two paths separated by a comma, got {args.paths!r}")
     thresholds = _thresholds(args.threshold)
+    if not any(Path(p).is_dir() for p in paths):  # generated inputs (dump folders bring their own)
+        from glmkit.bounds import check_tokens_fit
+        from glmkit.checkpoint import open_checkpoint
+
+        check_tokens_fit(open_checkpoint(args.checkpoint).config, args.batch, args.seq_len, args.device,
+                         "--batch x --seq-len", paths=1 if args.streaming else 2)
     # outputs are checked before the comparison runs, not after it
     if args.json:
         check_file_out(args.json, "--json")
@@ -223,7 +229,11 @@ def cmd_capture(args) -> int:
     if args.path not in ("reference", "train", "rollout"):
         raise ValueError(f"unknown path {args.path!r}; allowed: reference, train, rollout")
     check_capture_out(args.out, "--out")  # before the model runs
-    seqs, prompts = make_inputs(open_checkpoint(args.checkpoint).config.vocab_size, args.batch, args.seq_len, args.seed)
+    from glmkit.bounds import check_tokens_fit
+
+    config = open_checkpoint(args.checkpoint).config
+    check_tokens_fit(config, args.batch, args.seq_len, args.device, "--batch x --seq-len", paths=1)
+    seqs, prompts = make_inputs(config.vocab_size, args.batch, args.seq_len, args.seed)
     cap = capture_path(args.path, args.checkpoint, seqs, prompts, getattr(torch, args.dtype), args.device,
                        _backends(args))
     print(f"wrote {save_capture(cap, args.out)}")
@@ -602,7 +612,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     def run_arguments(p):
         """The seeded input and where the paths run: shared by parity and capture."""
-        p.add_argument("--seq-len", type=int, default=64)
+        p.add_argument("--seq-len", type=_positive, default=64)
         p.add_argument("--batch", type=_positive, default=2)
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--dtype", default="float32", choices=list(DTYPES))

@@ -119,3 +119,21 @@ def test_the_error_contract(tmp_path):
     assert interrupted.returncode == 130 and "interrupted" in interrupted.stderr
     refused = glmkit("train", "--lr", "-1", "--metrics-out", tmp_path / "m.jsonl")  # glmkit's own check
     assert refused.returncode == 2 and refused.stderr.strip() == "glmkit train: error: --lr must be > 0, got -1.0"
+
+
+def test_sizes_are_bounded_before_anything_is_allocated(tmp_path):
+    """A huge batch is refused at once with the numbers (it used to hang); a prompt row over the row
+    limit is skipped unread, naming the limit, and the rows after it are kept."""
+    import json
+
+    from glmkit.rl.data import MAX_ROW_BYTES, load_prompts
+
+    huge = glmkit("parity", "--checkpoint", ROOT / "glmkit/assets/tiny_start", "--batch", 10 ** 30)
+    assert huge.returncode == 2 and "tokens need at least" in huge.stderr and "GiB free" in huge.stderr
+    data = tmp_path / "rows.jsonl"
+    with open(data, "w") as f:
+        f.write(json.dumps({"prompt": "x" * (3 * MAX_ROW_BYTES), "label": "1"}) + "\n")
+        f.write(json.dumps({"prompt": "1+1=", "label": "2"}) + "\n")
+    with pytest.warns(UserWarning, match="longer than 1048576 bytes"):
+        samples, problems = load_prompts(data, tokenizer=None, apply_chat_template=False)
+    assert [s.label for s in samples] == ["2"] and problems[0].line == 1

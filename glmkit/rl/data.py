@@ -9,6 +9,7 @@ lines are not rows.
 from __future__ import annotations
 
 import json
+import os
 import random
 import warnings
 from dataclasses import dataclass, field
@@ -137,6 +138,25 @@ def _report(path, problems: list[Problem]) -> None:
                   stacklevel=3)
 
 
+MAX_ROW_BYTES = 1 << 20  # one prompt row: a chat of about a million characters is not a prompt
+MAX_FILE_BYTES = 4 << 30
+
+
+def _bounded_lines(f):
+    """The file's lines, each read at most MAX_ROW_BYTES at a time: a longer line is skipped unread
+    (yielded as None) instead of being held in memory whole."""
+    while True:
+        raw = f.readline(MAX_ROW_BYTES + 1)
+        if not raw:
+            return
+        if len(raw) > MAX_ROW_BYTES and not raw.endswith(b"\n"):
+            while raw and not raw.endswith(b"\n"):  # the rest of the long line, dropped in pieces
+                raw = f.readline(MAX_ROW_BYTES)
+            yield None
+            continue
+        yield raw
+
+
 def load_prompts(path=DEFAULT_DAPO_PATH, input_key: str = "prompt", label_key: str = "label", tokenizer=None,
                  apply_chat_template: bool = True, shuffle_seed: int | None = 0,
                  on_error: str = "skip") -> tuple[list[Sample], list[Problem]]:
@@ -151,10 +171,16 @@ def load_prompts(path=DEFAULT_DAPO_PATH, input_key: str = "prompt", label_key: s
         raise ValueError(f"on_error must be one of {', '.join(ON_ERROR)}, got {on_error!r}")
     if apply_chat_template and tokenizer is not None and not getattr(tokenizer, "chat_template", None):
         raise ValueError("apply_chat_template is set but the tokenizer has no chat template")
+    size = os.path.getsize(path)
+    if size > MAX_FILE_BYTES:
+        raise ValueError(f"{path}: {size} bytes; prompt files are read whole into memory and may hold at most "
+                         f"{MAX_FILE_BYTES} bytes (split it, or pass a --prompt-pool of a smaller file)")
     samples, problems = [], []
     with open(path, "rb") as f:  # decoded line by line, so a binary file names its first bad line
-        for number, raw in enumerate(f, start=1):
+        for number, raw in enumerate(_bounded_lines(f), start=1):
             try:
+                if raw is None:
+                    raise RowError(f"longer than {MAX_ROW_BYTES} bytes, the most a prompt row may hold (not read)")
                 line = _decode(raw)
                 if not line.strip():
                     continue

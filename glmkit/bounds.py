@@ -1,0 +1,31 @@
+"""Sizes checked against the machine before anything is allocated: a run that cannot fit is refused
+with the numbers, instead of running the machine out of memory or hanging."""
+
+from __future__ import annotations
+
+
+def free_bytes(device: str) -> int:
+    """Memory a run may still take on `device`: free GPU memory, or available host memory."""
+    if str(device).startswith("cuda"):
+        import torch
+
+        return torch.cuda.mem_get_info()[0]
+    import psutil
+
+    return psutil.virtual_memory().available
+
+
+def check_tokens_fit(config, batch: int, seq_len: int, device: str, what: str, paths: int = 2) -> None:
+    """batch x seq_len tokens through `paths` paths that keep per-token captures: a lower bound of the
+    memory they take (the logits in fp32, and each layer's mHC streams for one site) against what
+    `device` has free. Refused with both numbers when it cannot fit."""
+    if batch < 1 or seq_len < 1:
+        raise ValueError(f"{what}: batch and sequence length must be >= 1, got {batch} x {seq_len}")
+    tokens = batch * seq_len
+    per_token = 4 * (config.vocab_size + config.num_hidden_layers * config.hidden_size * config.hc_mult)
+    need = paths * tokens * per_token
+    have = free_bytes(device)
+    if need > have:
+        raise ValueError(f"{what}: {batch} x {seq_len} = {tokens} tokens need at least {need / 2**30:.3g} GiB "
+                         f"({paths} paths x {per_token} bytes a token) and {device} has {have / 2**30:.3g} GiB free; "
+                         f"use fewer or shorter sequences (or the streaming mode)")
