@@ -183,7 +183,8 @@ def _load(file: Path) -> _Record:
         found = re.search(r"GLOBAL ([\w.]+)", str(err))
         raise ValueError(f"{file}: needs pickle to read ({found.group(1) if found else 'not weights-only'}); "
                          f"glmkit reads dumps with torch.load(weights_only=True) only") from None
-    except (RuntimeError, EOFError, OSError) as err:
+    except (RuntimeError, EOFError, OSError, IndexError, KeyError, TypeError, ValueError, AttributeError,
+            UnicodeDecodeError, MemoryError, OverflowError) as err:  # what the unpickler raises on garbage
         raise ValueError(f"{file}: not a readable dump file ({type(err).__name__})") from None
     if not (isinstance(data, dict) and "value" in data):
         raise ValueError(f"{file}: not a dumper file (expected {{'value': ..., 'meta': {{...}}}})")

@@ -60,7 +60,8 @@ def _load(path: Path, what: str):
         raise ValueError(f"{path}: needs pickle to read ({found.group(1) or found.group(2)}); glmkit reads {what} with "
                          f"torch.load(weights_only=True) only (tensors, numbers, strings, lists, dicts, numpy "
                          f"arrays), never arbitrary classes") from None
-    except (RuntimeError, EOFError, OSError) as err:
+    except (RuntimeError, EOFError, OSError, IndexError, KeyError, TypeError, ValueError, AttributeError,
+            UnicodeDecodeError, MemoryError, OverflowError) as err:  # what the unpickler raises on garbage
         raise ValueError(f"{path}: not a readable torch.save file ({type(err).__name__}: "
                          f"{str(err).splitlines()[0][:200] if str(err) else 'truncated'})") from None
 
