@@ -329,9 +329,12 @@ def cmd_ckpt_synth(args) -> int:
     from glmkit.checkpoint import synth_checkpoint
     from glmkit.outputs import check_dir_out
 
+    from glmkit.outputs import RunLock
+
     check_dir_out(args.out, "--out", args.overwrite)
-    out = synth_checkpoint(args.variant, args.seed, args.out, dtype=_dtype(args.dtype), overwrite=args.overwrite,
-                           device=args.device)
+    with RunLock(args.out, "--out"):
+        out = synth_checkpoint(args.variant, args.seed, args.out, dtype=_dtype(args.dtype), overwrite=args.overwrite,
+                               device=args.device)
     print(f"wrote {out}")
     return 0
 
@@ -341,8 +344,12 @@ def cmd_ckpt_slice(args) -> int:
     from glmkit.outputs import check_dir_out
 
     source = open_checkpoint(args.src)  # headers only: a bad --src is named first
+    from glmkit.outputs import RunLock, refuse_input_as_output
+
+    refuse_input_as_output(args.out, "--out", {"--src": args.src})  # an output never replaces its own input
     check_dir_out(args.out, "--out", args.overwrite)
-    out = slice_checkpoint(source, args.layers, args.out, overwrite=args.overwrite)
+    with RunLock(args.out, "--out"):
+        out = slice_checkpoint(source, args.layers, args.out, overwrite=args.overwrite)
     print(f"wrote {out}")
     return 0
 

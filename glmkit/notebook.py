@@ -283,9 +283,8 @@ def notebook_html(executed: Path, header: str) -> str:
 
 def run_notebook(notebook, out_dir, parameters: dict, name: str | None = None) -> Path:
     """Execute `notebook` with `parameters` (plus out_dir) and write {out_dir}/{name}.html; returns its path.
-    On an execution error the executed notebook is kept as {name}.failed.ipynb and the error re-raised."""
-    import papermill
-
+    On an execution error the executed notebook is kept as {name}.failed.ipynb and the error re-raised.
+    The report's name in `out_dir` is locked while it runs (a second run of it there is refused)."""
     notebook, out_dir = Path(notebook).resolve(), Path(out_dir).resolve()
     if not notebook.is_file():
         raise FileNotFoundError(f"{notebook}: no such notebook")
@@ -293,6 +292,15 @@ def run_notebook(notebook, out_dir, parameters: dict, name: str | None = None) -
     if out_dir / f"{name}.ipynb" == notebook:
         raise ValueError(f"{notebook}: the executed copy would overwrite the notebook; choose another out_dir or name")
     out_dir.mkdir(parents=True, exist_ok=True)
+    from glmkit.outputs import RunLock
+
+    with RunLock(out_dir / name, "--out"):  # one run of this report in this folder at a time
+        return _run_locked(notebook, out_dir, parameters, name)
+
+
+def _run_locked(notebook: Path, out_dir: Path, parameters: dict, name: str) -> Path:
+    import papermill
+
     parameters = dict(parameters, out_dir=str(out_dir))
     running = out_dir / f".{name}.running.ipynb"
     started = time.time()

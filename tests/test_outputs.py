@@ -137,3 +137,14 @@ def test_sizes_are_bounded_before_anything_is_allocated(tmp_path):
     with pytest.warns(UserWarning, match="longer than 1048576 bytes"):
         samples, problems = load_prompts(data, tokenizer=None, apply_chat_template=False)
     assert [s.label for s in samples] == ["2"] and problems[0].line == 1
+
+
+def test_a_slice_never_replaces_its_own_source(tmp_path):
+    import shutil
+
+    src = tmp_path / "ck"
+    shutil.copytree(ROOT / "glmkit/assets/tiny_start", src)  # marked: --overwrite could replace it otherwise
+    before = (src / "model.safetensors").read_bytes()
+    done = glmkit("ckpt", "slice", "--src", src, "--layers", "2", "--out", src, "--overwrite")
+    assert done.returncode == 2 and "is this run's --src; an output never replaces an input" in done.stderr
+    assert (src / "model.safetensors").read_bytes() == before and (src / "tokenizer.json").is_file()
