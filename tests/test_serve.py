@@ -36,10 +36,10 @@ CKPT = ROOT / "glmkit" / "assets" / "tiny_start"
 class Server:
     """`python -m glmkit serve` in its own process; .url once it listens."""
 
-    def __init__(self, *extra, port=0, checkpoint=CKPT):
+    def __init__(self, *extra, port=0, checkpoint=CKPT, env=None):
         self.proc = subprocess.Popen([sys.executable, "-m", "glmkit", "serve", "--checkpoint", str(checkpoint),
                                       "--port", str(port), *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                                     text=True, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
         line = ""
         deadline = time.time() + 120
         while time.time() < deadline:

@@ -448,3 +448,20 @@ def test_n_samples_top_logprobs_and_stop_strings(server):
         assert cut["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
         assert cut["text"] == (text[:at + len(stop)] if keep else text[:at])
         assert cut["output_ids"] == greedy["output_ids"][:len(cut["output_ids"])]  # output_ids keep the stop
+
+
+def test_health_generate_is_200_only_when_a_token_comes():
+    """Paused (so nothing generates), /health_generate answers 503 after SGLang's health timeout (here
+    2 s through SGLang's own variable); after continue, 200 again. /health only says the server runs."""
+    s = Server(env={"SGLANG_HEALTH_CHECK_TIMEOUT": "2"})
+    try:
+        assert requests.get(s.url + "/health_generate", timeout=30).status_code == 200
+        requests.post(s.url + "/pause_generation", json={"mode": "in_place"}, timeout=30)
+        started = time.time()
+        assert requests.get(s.url + "/health_generate", timeout=30).status_code == 503
+        assert 1.5 < time.time() - started < 15
+        assert requests.get(s.url + "/health", timeout=30).status_code == 200
+        requests.post(s.url + "/continue_generation", json={}, timeout=30)
+        assert requests.get(s.url + "/health_generate", timeout=30).status_code == 200
+    finally:
+        s.kill()

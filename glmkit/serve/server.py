@@ -40,7 +40,7 @@ DEFAULT_MAX_BATCH = 64
 DEFAULT_MAX_CONTEXT = 65536  # prompt + new tokens of one request: bounds what one request can allocate
 DEFAULT_MAX_BODY = 1 << 30  # bytes of one request body (a tensor update may be large)
 MAX_WEIGHT_ELEMENTS = 1 << 24  # /get_weights_by_name: one answer's floats (about 200 MB of JSON)
-HEALTH_TIMEOUT_S = 20.0  # SGLang's SGLANG_HEALTH_CHECK_TIMEOUT
+HEALTH_TIMEOUT_S = 20.0  # SGLang's default; its environment variable SGLANG_HEALTH_CHECK_TIMEOUT sets it
 GROUP_TIMEOUT_S = 600.0  # rendezvous and transfers of a weights-update group, unless the body says timeout_s
 PAUSE_MODES = ("abort", "retract", "in_place")
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
@@ -792,6 +792,7 @@ def build_app(service: EngineService, window_s: float = 0.005, max_body: int = D
     from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
     batcher = Batcher(service, window_s)
+    health_timeout_s = _env_seconds("SGLANG_HEALTH_CHECK_TIMEOUT", HEALTH_TIMEOUT_S)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -850,7 +851,7 @@ def build_app(service: EngineService, window_s: float = 0.005, max_body: int = D
                                        "rid": f"HEALTH_CHECK_{uuid.uuid4().hex}"})
         futures = batcher.submit(items)
         try:
-            await asyncio.wait_for(asyncio.shield(futures[0]), HEALTH_TIMEOUT_S)
+            await asyncio.wait_for(asyncio.shield(futures[0]), health_timeout_s)
         except (asyncio.TimeoutError, Exception):  # noqa: BLE001 - any failure to generate is unhealthy
             batcher.abort(items[0].rid, False)
             return Response(status_code=503)
@@ -1125,6 +1126,17 @@ def build_app(service: EngineService, window_s: float = 0.005, max_body: int = D
         return await weight_step(work, num_paused_requests=0)
 
     return app
+
+
+def _env_seconds(name: str, default: float) -> float:
+    import math
+    import os
+
+    try:
+        value = float(os.environ.get(name, default))
+    except ValueError:
+        return default
+    return value if math.isfinite(value) and value > 0 else default
 
 
 def _version() -> str:
