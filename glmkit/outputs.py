@@ -90,6 +90,8 @@ def refuse_input_as_output(path: Path, flag: str, inputs: dict) -> None:
         source = Path(os.path.abspath(given))
         if target == source or (os.path.exists(target) and os.path.exists(source) and os.path.samefile(target, source)):
             raise ValueError(f"{flag} {path} is this run's {name}; an output never replaces an input")
+        if target in source.parents or target.resolve() in source.resolve().parents:
+            raise ValueError(f"{flag} {path} holds this run's {name} ({given}); an output never replaces an input")
 
 
 def _prefix(flag: str | None, path) -> str:
@@ -224,15 +226,27 @@ class RunLock:
         import warnings
 
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        handle = open(self.path, "a+")
-        handle.seek(0)
-        before = handle.read().strip()
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        for _ in range(100):
+            handle = open(self.path, "a+")
+            handle.seek(0)
+            before = handle.read().strip()
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                handle.close()
+                raise ValueError(f"{self.flag} {self.target} is in use by another glmkit run "
+                                 f"({before or 'holder unknown'}); wait for it to end or choose another "
+                                 f"{self.flag}") from None
+            try:  # a holder that ended unlinked the file we opened: lock the one that is there now
+                same = os.stat(self.path).st_ino == os.fstat(handle.fileno()).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            fcntl.flock(handle, fcntl.LOCK_UN)
             handle.close()
-            raise ValueError(f"{self.flag} {self.target} is in use by another glmkit run ({before or 'holder unknown'});"
-                             f" wait for it to end or choose another {self.flag}") from None
+        else:
+            raise ValueError(f"{self.flag} {self.target}: its lock file {self.path} keeps changing; try again")
         holder = dict(part.split("=", 1) for part in before.split() if "=" in part)
         if holder.get("host") not in (None, socket.gethostname()):
             fcntl.flock(handle, fcntl.LOCK_UN)

@@ -148,3 +148,10 @@ def test_a_slice_never_replaces_its_own_source(tmp_path):
     done = glmkit("ckpt", "slice", "--src", src, "--layers", "2", "--out", src, "--overwrite")
     assert done.returncode == 2 and "is this run's --src; an output never replaces an input" in done.stderr
     assert (src / "model.safetensors").read_bytes() == before and (src / "tokenizer.json").is_file()
+
+
+def test_an_output_holding_an_input_is_refused(tmp_path):
+    inner = tmp_path / "out" / "iter_0000005" / "model"
+    inner.mkdir(parents=True)
+    with pytest.raises(ValueError, match="holds this run's --checkpoint"):
+        refuse_input_as_output(tmp_path / "out", "--save", {"--checkpoint": str(inner)})

@@ -125,3 +125,12 @@ def test_batches_n_and_rids_expand_as_sglang():
                        lambda: next(ids))
     with pytest.raises(RequestError, match="parallel_sample_num should be the same"):
         parse_generate({"input_ids": [[1], [2]], "sampling_params": [{"n": 1}, {"n": 2}]}, V, None, lambda: next(ids))
+
+
+def test_an_overflowing_bias_or_penalty_gives_a_token_not_nan():
+    logits = torch.zeros(2, V)
+    huge = state(seed=1, logit_bias={"3": 1e39})
+    tiny_penalty = state(seed=2, repetition_penalty=1e-300)
+    tiny_penalty.counts = torch.ones(V)
+    tokens, logprobs = RequestSampler().choose(logits + 1.0, [huge, tiny_penalty], [[], [1]])
+    assert tokens[0] == 3 and all(0 <= t < V for t in tokens) and all(not math.isnan(lp) for lp in logprobs)

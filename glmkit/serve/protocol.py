@@ -322,7 +322,7 @@ def _per_input(raw, name: str, count: int, n: int, parse, default):
     return [parse(value, name)] * count
 
 
-def parse_generate(raw, vocab_size: int, encode, new_rid) -> Generate:
+def parse_generate(raw, vocab_size: int, encode, new_rid, max_inputs: int | None = None) -> Generate:
     """A /generate body -> Generate. `encode(texts) -> token lists` tokenizes text inputs (as SGLang,
     with the tokenizer's special tokens); `new_rid()` makes a request id."""
     if not isinstance(raw, dict):
@@ -381,6 +381,9 @@ def parse_generate(raw, vocab_size: int, encode, new_rid) -> Generate:
     if any(p.n != n for p in params):
         raise RequestError("The parallel_sample_num should be the same for all samples in sample params.")
 
+    if max_inputs is not None and count * n > max_inputs:  # before anything is expanded
+        raise RequestError(f"batch of {count * n} inputs (n included) is larger than this server's --max-batch-size "
+                           f"{max_inputs}")
     flags = {name: _per_input(raw, name, count, n, parse, default) for name, parse, default in (
         ("return_logprob", _as_bool, False), ("logprob_start_len", _as_int, -1), ("top_logprobs_num", _as_int, 0))}
     return_text = _as_bool(raw.get("return_text_in_logprobs") or False, "return_text_in_logprobs")

@@ -66,6 +66,8 @@ class RequestSampler:
                                                               row * s.repetition_penalty), row)
             if len(st.prior) + len(out) < s.min_new_tokens and st.min_blocked:
                 logits[i, st.min_blocked] = float("-inf")
+        # a huge bias or penalty must not turn a row into inf / NaN (nor fail the rows batched with it)
+        logits = logits.nan_to_num(nan=-1e30, posinf=1e30, neginf=-1e30).clamp(-1e30, 1e30)
         temps = torch.tensor([1.0 if st.sampling.greedy else st.sampling.temperature for st in states],
                              device=logits.device)
         logp = torch.log_softmax(logits / temps[:, None], -1)
@@ -102,7 +104,7 @@ class RequestSampler:
                                dtype=kept.dtype, device=kept.device)
         cdf = kept.cumsum(-1)
         at = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None], right=True)[:, 0]
-        at = torch.minimum(at, keep.sum(-1) - 1)  # every cut drops a suffix of the sorted order
+        at = torch.minimum(at, (keep.sum(-1) - 1).clamp_min(0))  # every cut drops a suffix of the sorted order
         return order.gather(-1, at[:, None])[:, 0]
 
     def finish(self, st: RequestState, out: list) -> bool:

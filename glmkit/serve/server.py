@@ -148,7 +148,7 @@ class EngineService:
         return [self.tokenizer.encode(t) for t in texts]
 
     def requests(self, raw) -> tuple[protocol.Generate, list[Request]]:
-        gen = protocol.parse_generate(raw, self.vocab_size, self.encode, lambda: uuid.uuid4().hex)
+        gen = protocol.parse_generate(raw, self.vocab_size, self.encode, lambda: uuid.uuid4().hex, self.max_batch)
         if len(gen.inputs) > self.max_batch:
             raise RequestError(f"batch of {len(gen.inputs)} inputs (n included) is larger than this server's "
                                f"--max-batch-size {self.max_batch}")
@@ -470,7 +470,10 @@ class EngineService:
         return tensors
 
     def tensors_from_disk(self, path: str) -> dict:
-        directory = Path(path).resolve()
+        try:
+            directory = Path(path).resolve()
+        except (ValueError, OSError) as err:  # a NUL byte, a loop of links
+            raise RequestError(f"{path!r}: not a usable path ({err})") from None
         if not any(directory == root or root in directory.parents for root in self.update_roots):
             raise RequestError(f"{path} is not under a directory this server may read updates from "
                                f"(start it with --allow-updates-from DIR)")
@@ -569,12 +572,13 @@ class Batcher:
             self.cond.notify_all()
         return await future
 
-    def abort(self, rid: str | None, abort_all: bool) -> int:
+    def abort(self, rid: str | None, abort_all: bool, exact: bool = False) -> int:
         """Cancel requests whose id starts with `rid` (SGLang matches by prefix), or all. Waiting ones are
         answered at once; running ones at their next step, with what they have."""
         with self.cond:
             waiting = [it for it in self.pending if isinstance(it, Request)]
-            hit = lambda r: abort_all or (rid is not None and rid != "" and r.startswith(rid))  # noqa: E731
+            hit = lambda r: abort_all or (rid is not None and rid != "" and (r == rid if exact  # noqa: E731
+                                                                                else r.startswith(rid)))
             dropped = [it for it in waiting if hit(it.rid)]
             for it in dropped:
                 self.pending.remove(it)
@@ -836,6 +840,8 @@ def build_app(service: EngineService, window_s: float = 0.005, max_body: int = D
             return outcome(True, await work(*args), **extra)
         except RequestError as err:
             return outcome(False, str(err), **extra)
+        except Exception as err:  # noqa: BLE001 - a failed transfer or allocation: the weights are unchanged
+            return outcome(False, f"{type(err).__name__}: {err}", **extra)
 
     # ---- health and information ---------------------------------------------------------------
     @app.get("/health")
@@ -853,7 +859,7 @@ def build_app(service: EngineService, window_s: float = 0.005, max_body: int = D
         try:
             await asyncio.wait_for(asyncio.shield(futures[0]), health_timeout_s)
         except (asyncio.TimeoutError, Exception):  # noqa: BLE001 - any failure to generate is unhealthy
-            batcher.abort(items[0].rid, False)
+            batcher.abort(items[0].rid, False, exact=True)
             return Response(status_code=503)
         return Response(status_code=200)
 
@@ -916,7 +922,7 @@ def build_app(service: EngineService, window_s: float = 0.005, max_body: int = D
                 break
             if await request.is_disconnected():
                 for it in items:
-                    batcher.abort(it.rid, False)
+                    batcher.abort(it.rid, False, exact=True)
                 return Response(status_code=499)
         try:
             answers = gathered.result()
@@ -958,7 +964,7 @@ def build_app(service: EngineService, window_s: float = 0.005, max_body: int = D
                 q.cancel()
             for it in open_items.values():
                 if it.answer is None:
-                    batcher.abort(it.rid, False)
+                    batcher.abort(it.rid, False, exact=True)
 
     @app.post("/abort_request")
     async def abort_request(request: HttpRequest):
