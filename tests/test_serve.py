@@ -278,6 +278,8 @@ BAD_REQUESTS = [
     ({"input_ids": [1, 2], "sampling_params": {"logit_bias": {"99999": 1.0}}}, "message", "logit_bias must has keys"),
     ([1, 2], "bad_request", "must be a JSON object"),
     ({}, "message", "Either text, input_ids or input_embeds should be provided."),
+    ({"input_ids": [1, 2], "return_logprob": True, "top_logprobs_num": 5000}, "message",
+     "top_logprobs_num must be in [0, 1000]"),
 ]
 
 

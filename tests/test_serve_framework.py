@@ -465,3 +465,19 @@ def test_health_generate_is_200_only_when_a_token_comes():
         assert requests.get(s.url + "/health_generate", timeout=30).status_code == 200
     finally:
         s.kill()
+
+
+def test_an_id_in_flight_is_refused_and_an_unlimited_request_is_bounded_by_the_context(server):
+    runner = threading.Thread(target=lambda: requests.post(server.url + "/generate", json={
+        "input_ids": [1, 120], "rid": "busy-id", "sampling_params": {"max_new_tokens": 3000, "ignore_eos": True}},
+        timeout=300))
+    runner.start()
+    time.sleep(0.5)
+    again = requests.post(server.url + "/generate", json={"input_ids": [1, 121], "rid": "busy-id"}, timeout=30)
+    assert again.status_code == 400 and "Duplicate request ID detected: busy-id" in again.json()["error"]["message"]
+    requests.post(server.url + "/abort_request", json={"rid": "busy-id"}, timeout=30)
+    runner.join(120)
+    # max_new_tokens null: no limit of its own, the server's --max-context (4096) bounds it
+    unlimited = requests.post(server.url + "/generate", json={"input_ids": [1] * 4090, "sampling_params": {
+        "max_new_tokens": None, "ignore_eos": True, "temperature": 0}}, timeout=300).json()
+    assert unlimited["meta_info"]["finish_reason"] == {"type": "length", "length": 6}

@@ -105,7 +105,8 @@ def test_sampling_params_normalisation():
     s = parse_sampling({"temperature": 1e-9, "top_k": -1, "stop": "x", "stop_token_ids": [3, 3]}, V)
     assert s.greedy and s.temperature == 1.0 and s.stop == ("x",) and s.stop_token_ids == {3}
     assert parse_sampling({"top_k": -1}, V).top_k == protocol.TOP_K_ALL
-    assert parse_sampling({"max_new_tokens": None}, V).max_new_tokens == 128  # null: the default
+    assert parse_sampling({"max_new_tokens": None}, V).max_new_tokens is None  # SGLang: null = no limit
+    assert parse_sampling({"min_p": None}, V).min_p == 0.0  # null: the default
     assert parse_sampling({"temperature": 1}, V).temperature == 1.0  # an integer is a number
     with pytest.raises(RequestError, match="at most 32 stop strings"):
         parse_sampling({"stop": ["a"] * 33}, V)

@@ -132,6 +132,7 @@ SAMPLING_KEYS = ("max_new_tokens", "stop", "stop_token_ids", "stop_regex", "temp
 UNSUPPORTED_SAMPLING = ("stop_regex", "json_schema", "regex", "ebnf", "structural_tag", "custom_params", "beam_width",
                         "watermark", "choice")
 TOP_K_ALL = 1 << 30
+MAX_TOP_LOGPROBS = 1000  # entries per position: bounds what one answer holds
 GREEDY_BELOW = 1e-6  # SGLang's _SAMPLING_EPS
 MAX_STOP_STRINGS = 32
 
@@ -182,6 +183,8 @@ def parse_sampling(raw, vocab_size: int, where: str = "sampling_params") -> Samp
             listed = ", ".join(f"`{k}`" for k in SAMPLING_KEYS)
             raise contract_error(f"{where}: unknown field `{key}`, expected one of {listed}")
         if v is None:
+            if key == "max_new_tokens":
+                kw[key] = None  # SGLang: no limit (the server clamps it to the context)
             continue  # null: the default
         if key in UNSUPPORTED_SAMPLING:
             if v in ([], {}, ""):
@@ -226,7 +229,8 @@ def _verified(kw: dict, vocab_size: int, where: str) -> Sampling:
         (0 < kw.get("repetition_penalty", 1.0) <= 2,
          f"repetition_penalty must be in (0, 2] (1.0 = no penalty), got {kw.get('repetition_penalty')}."),
         (kw.get("min_new_tokens", 0) >= 0, f"min_new_tokens must be in [0, max_new_tokens], got {kw.get('min_new_tokens')}."),
-        (kw.get("max_new_tokens", 128) >= 0, f"max_new_tokens must be at least 0, got {kw.get('max_new_tokens')}."),
+        (kw.get("max_new_tokens", 128) is None or kw.get("max_new_tokens", 128) >= 0,
+         f"max_new_tokens must be at least 0, got {kw.get('max_new_tokens')}."),
         (kw.get("n", 1) >= 1, f"n must be at least 1, got {kw.get('n')}."),
         (kw.get("stream_interval") is None or kw["stream_interval"] >= 1,
          f"stream_interval must be at least 1, got {kw.get('stream_interval')}."),
@@ -236,7 +240,7 @@ def _verified(kw: dict, vocab_size: int, where: str) -> Sampling:
     for ok, message in checks:
         if not ok:
             raise RequestError(message)
-    if kw.get("min_new_tokens", 0) > kw.get("max_new_tokens", 128):
+    if kw.get("max_new_tokens", 128) is not None and kw.get("min_new_tokens", 0) > kw.get("max_new_tokens", 128):
         raise RequestError(f"min_new_tokens must be in [0, max_new_tokens({kw.get('max_new_tokens', 128)})], got "
                            f"{kw['min_new_tokens']}.")
     seed = kw.get("sampling_seed")
@@ -398,8 +402,8 @@ def parse_generate(raw, vocab_size: int, encode, new_rid, max_inputs: int | None
                                f"len(req.origin_input_ids)={len(p)}. Please use a smaller logprob_start_len.")
         if start < -1:
             raise RequestError(f"logprob_start_len must be -1 or at least 0, got {start}")
-        if top < 0:
-            raise RequestError(f"top_logprobs_num must be at least 0, got {top}")
+        if not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise RequestError(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
         if routed and not 0 <= routed_start <= len(p):
             raise RequestError(f"routed_experts_start_len={routed_start} must be in [0, {len(p)}] (the prompt's length)")
 

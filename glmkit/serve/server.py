@@ -555,6 +555,11 @@ class Batcher:
         return self.thread.is_alive() and not self.stopped
 
     def submit(self, items: list[Request], stream: bool = False) -> list:
+        with self.cond:
+            busy = set(self.running) | {it.rid for it in self.pending if isinstance(it, Request)}
+        taken = [it.rid for it in items if it.rid in busy]
+        if taken:  # SGLang refuses an id already in flight
+            raise RequestError(f"Duplicate request ID detected: {taken[0]}")
         for it in items:
             it.future = self.loop.create_future()
             if stream:
@@ -762,6 +767,8 @@ class Batcher:
                 self._after_step(slots)
         except Exception as err:  # noqa: BLE001 - every request of the batch learns why
             for it in batch:
+                self._push(it, {"error": {"message": f"generation failed: {type(err).__name__}: {err}",
+                                          "type": "internal_error", "code": 500, "retryable": False}})
                 self._push(it, None)
                 self._settle(it.future, error=err)
         finally:
