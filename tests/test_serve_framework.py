@@ -481,3 +481,23 @@ def test_an_id_in_flight_is_refused_and_an_unlimited_request_is_bounded_by_the_c
     unlimited = requests.post(server.url + "/generate", json={"input_ids": [1] * 4090, "sampling_params": {
         "max_new_tokens": None, "ignore_eos": True, "temperature": 0}}, timeout=300).json()
     assert unlimited["meta_info"]["finish_reason"] == {"type": "length", "length": 6}
+
+
+def test_a_second_pause_with_another_mode_takes_effect(server):
+    """in_place keeps the running request in its slot (flush_cache refuses); a following retract takes
+    it out at once (flush_cache succeeds); continue lets it finish, retracted once."""
+    got = {}
+    runner = threading.Thread(target=lambda: got.update(requests.post(server.url + "/generate", json={
+        "input_ids": [1, 130], "sampling_params": {"max_new_tokens": 600, "ignore_eos": True, "temperature": 0}},
+        timeout=300).json()))
+    runner.start()
+    time.sleep(0.5)
+    started = time.time()
+    assert requests.post(server.url + "/pause_generation", json={"mode": "in_place"}, timeout=60).status_code == 200
+    assert requests.get(server.url + "/flush_cache", timeout=30).status_code == 400
+    assert requests.post(server.url + "/pause_generation", json={"mode": "retract"}, timeout=60).status_code == 200
+    assert time.time() - started < 20  # acknowledged, not the 60 s wait
+    assert requests.get(server.url + "/flush_cache", timeout=30).status_code == 200
+    requests.post(server.url + "/continue_generation", json={}, timeout=30)
+    runner.join(300)
+    assert got["meta_info"]["completion_tokens"] == 600 and got["meta_info"]["num_retractions"] == 1

@@ -676,37 +676,39 @@ class Batcher:
             self._settle(call.future, error=err)
 
     def _hold_while_paused(self, slots=None) -> None:
-        """While generation is paused: retract or abort what holds slots (by the pause's mode), then run
-        the calls that come (weight loads) until continue. Not paused: nothing (a waiting call runs when
-        the batch has drained, as SGLang's weight updates wait for the requests in flight)."""
-        with self.cond:
-            if not self.paused:
-                return
-            mode = self.pause_mode
-        if slots is not None and mode in ("abort", "retract"):
-            evicted = slots.evict_all()
-            for it, c in evicted:
-                if mode == "abort":
-                    c.finish_reason = "abort"
-                    self.service.finish(it, c)
-                    self._deliver(it, it.answer)
-                    continue
-                it.prior += c.tokens
-                it.prior_logprobs += c.logprobs
-                it.retractions += 1
-            with self.cond:
-                for it, _ in evicted:
-                    self.running.pop(it.rid, None)
-                if mode == "retract":  # first in line again, in their order
-                    self.pending.extendleft(reversed([it for it, _ in evicted]))
-        self.held.set()
+        """While generation is paused: retract or abort what holds slots (by the pause's mode, read again
+        each round, so a second pause with another mode takes effect), then run the calls that come
+        (weight loads) until continue. Not paused: nothing (a waiting call runs when the batch has
+        drained, as SGLang's weight updates wait for the requests in flight)."""
         while True:
-            self._run_calls()
             with self.cond:
                 if not self.paused or self.stopped:
                     return
-                if not any(isinstance(it, _Call) for it in self.pending):
+                mode = self.pause_mode
+            if slots is not None and mode in ("abort", "retract"):
+                self._evict(slots, mode)
+            self.held.set()
+            self._run_calls()
+            with self.cond:
+                if self.paused and not self.stopped and not any(isinstance(it, _Call) for it in self.pending):
                     self.cond.wait(0.5)
+
+    def _evict(self, slots, mode: str) -> None:
+        evicted = slots.evict_all()
+        for it, c in evicted:
+            if mode == "abort":
+                c.finish_reason = "abort"
+                self.service.finish(it, c)
+                self._deliver(it, it.answer)
+                continue
+            it.prior += c.tokens
+            it.prior_logprobs += c.logprobs
+            it.retractions += 1
+        with self.cond:
+            for it, _ in evicted:
+                self.running.pop(it.rid, None)
+            if mode == "retract":  # first in line again, in their order
+                self.pending.extendleft(reversed([it for it, _ in evicted]))
 
     def _work(self):
         while True:
@@ -716,10 +718,11 @@ class Batcher:
                 if self.stopped:
                     return
                 paused, first = self.paused, self.pending[0]
+                # a batch starting now counts as running for pause(): it acknowledges at its first step
+                self.in_batch = not paused and not isinstance(first, _Call)
             if paused:
                 self._hold_while_paused()
                 continue
-            self.held.clear()
             if isinstance(first, _Call):
                 with self.cond:
                     self.pending.popleft()
@@ -748,7 +751,7 @@ class Batcher:
             closed = False  # once a request does not fit these slots, it waits first in line for the next batch
             while True:
                 fits = []
-                for it in ([] if closed else self._take_same(key, slots.free)):
+                for it in ([] if closed or self.paused else self._take_same(key, slots.free)):
                     if not closed and len(it.fed_prompt) + it.remaining <= slots.capacity:
                         fits.append(it)
                         continue
@@ -993,7 +996,8 @@ def build_app(service: EngineService, window_s: float = 0.005, max_body: int = D
         if body["mode"] not in PAUSE_MODES:
             raise RequestError(f"pause_generation: mode {body['mode']!r}; allowed: {', '.join(PAUSE_MODES)}")
         held = batcher.pause(body["mode"])
-        await asyncio.to_thread(held.wait, 60.0)  # until the step running now has ended
+        if not await asyncio.to_thread(held.wait, 60.0):  # until the step running now has ended
+            return JSONResponse({"error": {"message": "generation did not pause within 60 s"}}, status_code=503)
         return {"message": "Generation paused successfully.", "status": "ok"}
 
     @app.post("/continue_generation")
