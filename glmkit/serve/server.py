@@ -647,15 +647,15 @@ class Batcher:
         self._settle(it.future, answer)
 
     def _take_same(self, key, limit: int) -> list[Request]:
-        """Up to `limit` waiting requests with `key`, in order, not past a waiting call."""
+        """Up to `limit` waiting requests with `key`, in order, not past a waiting call nor a waiting
+        request of the other kind (a teacher-forced one waits for the batch to drain, never longer)."""
         taken = []
         with self.cond:
             for it in list(self.pending):
-                if isinstance(it, _Call) or len(taken) == limit:
+                if isinstance(it, _Call) or len(taken) == limit or it.key() != key:
                     break
-                if it.key() == key:
-                    self.pending.remove(it)
-                    taken.append(it)
+                self.pending.remove(it)
+                taken.append(it)
             self.running.update({it.rid: it for it in taken})
         return taken
 
