@@ -25,11 +25,10 @@ import torch
 import torch.distributed as dist
 
 from glmkit.launch.cluster import free_port
-from glmkit.model import RolloutEngine, load_model
 from glmkit.model.rollout import SamplingParams
 from glmkit.serve.update_group import new_named_group
 
-from tests.test_serve import CKPT, Server
+from tests.test_serve import CKPT, Server, local_engine, server, updates_root  # noqa: F401 (fixtures: a server of this module's own)
 
 NUM_LAYERS = 4  # the tiny checkpoint: 3 dense layers, then one MoE + DSA layer
 EOS = 2
@@ -143,23 +142,6 @@ class FrameworkClient:
         self.control("/end_weight_update", {})
         answer = requests.post(self.url + "/continue_generation", json={}, timeout=60)
         answer.raise_for_status()
-
-
-@pytest.fixture(scope="module")
-def updates_root(tmp_path_factory):
-    return tmp_path_factory.mktemp("framework-updates")
-
-
-@pytest.fixture(scope="module")
-def server(updates_root):
-    s = Server("--max-batch-size", "8", "--max-context", "4096", "--allow-updates-from", str(updates_root))
-    yield s
-    s.kill()
-
-
-@pytest.fixture(scope="module")
-def local_engine():
-    return RolloutEngine(load_model(CKPT), "kda=torch")
 
 
 def test_startup_probe_and_the_external_engine_check(server):
