@@ -562,7 +562,7 @@ def cmd_serve(args) -> int:
           args.max_batch_size, args.allow_updates_from, on_ready=lambda line: print(line, flush=True),
           max_context=args.max_context, prefill_chunk=args.prefill_chunk, max_body=args.max_body_bytes,
           served_model_name=args.served_model_name, enable_memory_saver=args.enable_memory_saver,
-          seed=args.random_seed, base_gpu_id=args.base_gpu_id)
+          seed=args.random_seed, base_gpu_id=args.base_gpu_id, max_prefill_tokens=args.max_prefill_tokens)
     return 0
 
 
@@ -871,6 +871,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most prompt + new tokens of one request (larger ones are refused with 400)")
     p.add_argument("--prefill-chunk", type=_positive, metavar="TOKENS",
                    help="prefill joining prompts at most TOKENS a decode step (default: whole prompts at once)")
+    p.add_argument("--max-prefill-tokens", type=_positive, default=16384, metavar="TOKENS",
+                   help="most prompt tokens prefilled in one forward (SGLang's option; a longer single prompt "
+                        "runs alone); teacher-forced log-probs are computed in pieces either way")
     p.add_argument("--allow-updates-from", action="append", default=[], metavar="DIR",
                    help="/update_weights_from_disk may read directories under DIR (repeatable; default: none)")
     p.add_argument("--max-body-bytes", type=_positive, default=1 << 30,

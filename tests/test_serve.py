@@ -207,11 +207,14 @@ def test_concurrent_requests_are_batched_and_answered_alike(server, local_engine
         assert (got - torch.tensor(alone.logprobs)).abs().max() < 1e-4  # batched vs alone: fp32 order
 
 
-def test_prompts_prefilled_in_chunks_by_the_server_answer_as_alone(local_engine):
-    """`glmkit serve --prefill-chunk 3 --max-batch-size 4`: 8 concurrent requests with prompts of 2-21
-    tokens, so prompts join a running batch 3 tokens a step: each answer is the in-process engine's
-    completion of that prompt alone (greedy tokens equal, log-probs to 1e-4: fp32 summation order)."""
-    s = Server("--prefill-chunk", "3", "--max-batch-size", "4")
+def test_prompts_prefilled_in_chunks_by_the_server_answer_as_alone(server, local_engine):
+    """`glmkit serve --prefill-chunk 3 --max-batch-size 4 --max-prefill-tokens 16`: 8 concurrent
+    requests with prompts of 2-21 tokens, so prompts join a running batch 3 tokens a step: each answer
+    is the in-process engine's completion of that prompt alone (greedy tokens equal, log-probs to 1e-4:
+    fp32 summation order). Three teacher-forced prompts of 10 tokens sent together run as three
+    forwards (16 prompt tokens at most per forward) and answer as one batch of them on a server
+    without that bound (to 1e-4: one prompt's forward vs three packed, 1.4e-5 measured)."""
+    s = Server("--prefill-chunk", "3", "--max-batch-size", "4", "--max-prefill-tokens", "16")
     try:
         client = SGLangClient(s.url)
         prompts = [list(range(5 + i, 5 + i + 2 + (7 * i) % 20)) for i in range(8)]
@@ -231,6 +234,16 @@ def test_prompts_prefilled_in_chunks_by_the_server_answer_as_alone(local_engine)
             assert answer["output_ids"] == alone.tokens
             got = torch.tensor([lp for lp, _, _ in answer["meta_info"]["output_token_logprobs"]])
             assert (got - torch.tensor(alone.logprobs)).abs().max() < 1e-4
+        teacher = [list(range(20 + 3 * i, 30 + 3 * i)) for i in range(3)]
+        before = engine_counters(client)
+        bounded = client.generate(input_ids=teacher, sampling_params={"max_new_tokens": 0}, return_logprob=True,
+                                  logprob_start_len=0)
+        assert engine_counters(client)["engine_batches"] - before["engine_batches"] == 3
+        whole = SGLangClient(server.url).generate(input_ids=teacher, sampling_params={"max_new_tokens": 0},
+                                                  return_logprob=True, logprob_start_len=0)
+        for one, other in zip(bounded, whole):
+            got, want = ([lp for lp, _, _ in a["meta_info"]["input_token_logprobs"][1:]] for a in (one, other))
+            assert len(got) == 9 and (torch.tensor(got) - torch.tensor(want)).abs().max() < 1e-4
     finally:
         s.kill()
 
@@ -280,6 +293,8 @@ BAD_REQUESTS = [
     ({}, "message", "Either text, input_ids or input_embeds should be provided."),
     ({"input_ids": [1, 2], "return_logprob": True, "top_logprobs_num": 5000}, "message",
      "top_logprobs_num must be in [0, 1000]"),
+    ({"input_ids": [1, 2], "return_logprob": True, "top_logprobs_num": 1000, "sampling_params": {"max_new_tokens": 4000}},
+     "message", "this server answers at most 2097152 per request"),
 ]
 
 

@@ -94,10 +94,13 @@ class RolloutEngine:
 
     @torch.no_grad()
     def prefill(self, prompts, capacity: int, all_logits: bool = False, record=None, topk_replay=None,
-                record_scores=False):
+                record_scores=False, rows=None):
         """prompts: list of token lists -> (DecodeBatch, logits). Logits are [B, V] at each prompt's last
         token, or [T, V] over all packed prompt tokens with all_logits. `topk_replay` {DSA layer:
-        [T, W] positions inside each prompt, -1 empty} replays selections (as TrainPath.forward)."""
+        [T, W] positions inside each prompt, -1 empty} replays selections (as TrainPath.forward).
+        `rows`, when given, is called with the final hidden states at every packed prompt token [T, D]
+        before the head: a caller that needs per-token results reduces them in pieces instead of
+        holding [T, V] logits."""
         input_ids, packed = pack(prompts, device=self.model.device)
         if max(packed.lengths()) > capacity:
             raise ValueError(f"capacity {capacity} is shorter than the longest prompt ({max(packed.lengths())})")
@@ -106,9 +109,11 @@ class RolloutEngine:
         run = Run(self.backends, packed=packed, states=states, record=record, topk_replay=replay,
                   record_scores=record_scores)
         hidden = self.model.hidden(input_ids, run)
-        rows = hidden if all_logits else hidden[packed.last_indices()]
+        if rows is not None:
+            rows(hidden)
+        picked = hidden if all_logits else hidden[packed.last_indices()]
         lengths = packed.cu_seqlens[1:] - packed.cu_seqlens[:-1]
-        return DecodeBatch(run.states, lengths), self.model.lm_head(rows).float()
+        return DecodeBatch(run.states, lengths), self.model.lm_head(picked).float()
 
     @torch.no_grad()
     def extend(self, batch: DecodeBatch, chunks, slots=None, record=None, all_logits: bool = False):
@@ -298,11 +303,12 @@ class SlotBatch:
     def busy(self) -> bool:
         return bool(self.joining) or any(o is not None for o in self.owner)
 
-    def join(self, prompts, limits, tags, prompt_logits: bool = False):
-        """Prefill `prompts` into free slots; each leaves after `limits[i]` tokens at the latest. With
-        `prompt_logits`, returns the prefill's logits at every prompt token ([T, V] fp32, the prompts
-        packed in order): a teacher-forced pass over the prompts at no extra forward. With
-        `prefill_chunk` (and no `prompt_logits`), the prompts only queue here: `step` prefills them."""
+    def join(self, prompts, limits, tags, prompt_rows=None):
+        """Prefill `prompts` into free slots; each leaves after `limits[i]` tokens at the latest.
+        `prompt_rows`, when given, is called with the prefill's final hidden states at every prompt
+        token ([T, D], the prompts packed in order): a teacher-forced pass over the prompts at no extra
+        forward. With `prefill_chunk` (and no `prompt_rows`), the prompts only queue here: `step`
+        prefills them."""
         if self.free < len(prompts):
             raise ValueError(f"{len(prompts)} requests join but only {max(0, self.free)} slots are free")
         too_long = [len(p) + n for p, n in zip(prompts, limits) if len(p) + n > self.capacity]
@@ -311,16 +317,13 @@ class SlotBatch:
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         completions = _new_completions(prompts, self.wanted)
-        if self.prefill_chunk is not None and not prompt_logits:
+        if self.prefill_chunk is not None and prompt_rows is None:
             self.joining.extend(_Joining(tag, list(map(int, p)), int(n), c)
                                 for tag, p, n, c in zip(tags, prompts, limits, completions))
             return None
         into = [s for s, o in enumerate(self.owner) if o is None][:len(prompts)]
-        batch, logits = self.engine.prefill(prompts, self.capacity, all_logits=prompt_logits,
+        batch, logits = self.engine.prefill(prompts, self.capacity, rows=prompt_rows,
                                             record=_pieces_recorder(completions, prompts, self.wanted, packed_ids=True))
-        every_row = logits if prompt_logits else None
-        if prompt_logits:  # the last row of each prompt predicts its first new token
-            logits = logits[torch.tensor(list(itertools.accumulate(len(p) for p in prompts))) - 1]
         for j, s in enumerate(into):
             for slot_state, new_state in zip(self.states, batch.states):
                 _copy_into_slot(slot_state, new_state, s, j)
@@ -328,7 +331,6 @@ class SlotBatch:
             self.occupied[s] = True
             self.owner[s] = (tags[j], completions[j], int(limits[j]))
         self._take(logits, into)
-        return every_row
 
     @torch.no_grad()
     def _prefill_chunks(self):

@@ -38,7 +38,9 @@ from glmkit.serve.sampling import RequestSampler, RequestState
 
 DEFAULT_MAX_BATCH = 64
 DEFAULT_MAX_CONTEXT = 65536  # prompt + new tokens of one request: bounds what one request can allocate
+DEFAULT_MAX_PREFILL_TOKENS = 16384  # prompt tokens prefilled together (SGLang's --max-prefill-tokens default)
 DEFAULT_MAX_BODY = 1 << 30  # bytes of one request body (a tensor update may be large)
+MAX_TOP_ENTRIES = 1 << 21  # top_logprobs_num x positions of one request (about 60 MB of JSON)
 MAX_WEIGHT_ELEMENTS = 1 << 24  # /get_weights_by_name: one answer's floats (about 200 MB of JSON)
 HEALTH_TIMEOUT_S = 20.0  # SGLang's default; its environment variable SGLANG_HEALTH_CHECK_TIMEOUT sets it
 GROUP_TIMEOUT_S = 600.0  # rendezvous and transfers of a weights-update group, unless the body says timeout_s
@@ -89,22 +91,30 @@ class Request(RequestState):
         return self.limit == 0
 
 
-def input_logprobs(logits: torch.Tensor, prompts, temperatures, top_nums=None) -> list[dict]:
-    """Logits at every token of the packed prompts [T, V] -> per prompt, the log-prob of each token
-    given the ones before it under softmax(logits / temperature) (None for the first token), and the
-    top entries at each position where asked."""
+PROMPT_LOGITS_BYTES = 1 << 28  # fp32 logits of one piece of a teacher-forced pass (~430 rows at vocab 154880)
+
+
+def prompt_logprobs(head: torch.nn.Linear, hidden: torch.Tensor, prompts, temperatures, top_nums=None) -> list[dict]:
+    """Final hidden states at every token of the packed prompts [T, D] -> per prompt, the log-prob of
+    each token given the ones before it under softmax(logits / temperature) (None for the first
+    token), and the top entries at each position where asked. The head runs over pieces of rows, so
+    no more than PROMPT_LOGITS_BYTES of logits exist at once, whatever the prompts' length."""
     out, start = [], 0
-    logits = logits.float().cpu()
+    piece = max(1, PROMPT_LOGITS_BYTES // (4 * head.out_features))
     for i, (prompt, temperature) in enumerate(zip(prompts, temperatures)):
-        logp = torch.log_softmax(logits[start:start + len(prompt)] / (temperature or 1.0), -1)
-        ids = torch.tensor(prompt)
-        picked = [None, *logp[:-1].gather(-1, ids[1:, None])[:, 0].tolist()]
+        k = min((top_nums or [0] * len(prompts))[i], head.out_features)
+        ids = torch.tensor(prompt, device=hidden.device)
+        picked, tops = [None], [None]
+        for s in range(0, len(prompt) - 1, piece):  # rows s..e-1 predict tokens s+1..e
+            e = min(len(prompt) - 1, s + piece)
+            logp = torch.log_softmax(head(hidden[start + s:start + e]).float() / (temperature or 1.0), -1)
+            picked += logp.gather(-1, ids[s + 1:e + 1, None])[:, 0].tolist()
+            if k:
+                values, idx = logp.topk(k)
+                tops += [[[float(v), int(t)] for v, t in zip(vs, ts)] for vs, ts in zip(values.tolist(), idx.tolist())]
         entry = {"input_logprobs": picked}
-        k = (top_nums or [0] * len(prompts))[i]
         if k:
-            values, idx = logp[:-1].topk(min(k, logp.shape[-1]))
-            entry["input_top"] = [None, *[[[float(v), int(t)] for v, t in zip(vs, ts)]
-                                         for vs, ts in zip(values.tolist(), idx.tolist())]]
+            entry["input_top"] = tops
         out.append(entry)
         start += len(prompt)
     return out
@@ -116,13 +126,14 @@ class EngineService:
 
     def __init__(self, model, backends=None, tokenizer=None, model_path: str = "", tokenizer_path: str = "",
                  max_batch: int = DEFAULT_MAX_BATCH, update_roots=(), max_context: int = DEFAULT_MAX_CONTEXT,
-                 prefill_chunk: int | None = None, eos_ids=(), server_args: dict | None = None, seed: int = 0):
+                 prefill_chunk: int | None = None, eos_ids=(), server_args: dict | None = None, seed: int = 0,
+                 max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS):
         from glmkit.model import RolloutEngine
 
         self.model, self.engine = model, RolloutEngine(model, backends)
         self.tokenizer, self.model_path, self.tokenizer_path = tokenizer, model_path, tokenizer_path
         self.max_batch, self.max_context = max_batch, max_context
-        self.prefill_chunk = prefill_chunk
+        self.prefill_chunk, self.max_prefill_tokens = prefill_chunk, max_prefill_tokens
         self.update_roots = [Path(r).resolve() for r in update_roots]
         self.weight_version = "default"
         self.updates = 0
@@ -170,6 +181,14 @@ class EngineService:
                     f"Requested token count exceeds the model's maximum context length of {self.max_context} tokens. "
                     f"You requested a total of {len(inp.prompt) + s.max_new_tokens} tokens: {len(inp.prompt)} tokens "
                     f"from the input messages and {s.max_new_tokens} tokens for the completion.")
+            if inp.return_logprob and inp.top_logprobs_num:
+                positions = s.max_new_tokens + (len(inp.prompt) - inp.logprob_start_len
+                                                if 0 <= inp.logprob_start_len < len(inp.prompt) else 0)
+                if positions * inp.top_logprobs_num > MAX_TOP_ENTRIES:
+                    raise RequestError(f"top_logprobs_num {inp.top_logprobs_num} over {positions} positions asks for "
+                                       f"{positions * inp.top_logprobs_num} entries; this server answers at most "
+                                       f"{MAX_TOP_ENTRIES} per request (lower top_logprobs_num or max_new_tokens, "
+                                       f"or raise logprob_start_len)")
             seed = s.sampling_seed if s.sampling_seed is not None else next(self.seeds)
             out.append(Request(inp, seed, self.eos_ids, self.sampler.stop_window(s)))
         return gen, out
@@ -203,13 +222,15 @@ class EngineService:
         self.requests_run += len(items)
         wants = [it.input.return_logprob and it.input.logprob_start_len >= 0 and it.teacher is None for it in items]
         prompts = [it.fed_prompt for it in items]
-        logits = slots.join(prompts, [it.remaining for it in items], items, prompt_logits=any(wants))
-        if any(wants):
-            passes = input_logprobs(logits, prompts, [it.sampling.temperature for it in items],
-                                    [it.input.top_logprobs_num for it in items])
+
+        def teacher_forced(hidden):
+            passes = prompt_logprobs(self.model.lm_head, hidden, prompts, [it.sampling.temperature for it in items],
+                                     [it.input.top_logprobs_num if want else 0 for it, want in zip(items, wants)])
             for it, want, teacher in zip(items, wants, passes):
                 if want:  # a retracted request's prefill covers its tokens too: the prompt's part
                     it.teacher = {k: v[:len(it.prompt)] for k, v in teacher.items()}
+
+        slots.join(prompts, [it.remaining for it in items], items, prompt_rows=teacher_forced if any(wants) else None)
 
     @torch.no_grad()
     def prompt_pass(self, items: list[Request]) -> list[dict]:
@@ -226,10 +247,14 @@ class EngineService:
             if site in ("router_experts", "indexer_topk"):
                 seen[(layer, site)] = value.cpu()
 
-        _, logits = self.engine.prefill(prompts, max(lengths), all_logits=True, record=record)
+        passes = []
+
+        def teacher_forced(hidden):
+            passes.extend(prompt_logprobs(self.model.lm_head, hidden, prompts, [it.sampling.temperature for it in items],
+                                          [it.input.top_logprobs_num for it in items]))
+
+        self.engine.prefill(prompts, max(lengths), rows=teacher_forced, record=record)
         out = []
-        passes = input_logprobs(logits, prompts, [it.sampling.temperature for it in items],
-                                [it.input.top_logprobs_num for it in items])
         for (s, e), teacher in zip(packed.bounds(), passes):
             teacher["routing"] = {layer: v[s:e] for (layer, site), v in seen.items() if site == "router_experts"}
             teacher["topk"] = {layer: torch.where(v[s:e] >= 0, v[s:e] - s, v[s:e]) for (layer, site), v in seen.items()
@@ -648,11 +673,16 @@ class Batcher:
 
     def _take_same(self, key, limit: int) -> list[Request]:
         """Up to `limit` waiting requests with `key`, in order, not past a waiting call nor a waiting
-        request of the other kind (a teacher-forced one waits for the batch to drain, never longer)."""
-        taken = []
+        request of the other kind (a teacher-forced one waits for the batch to drain, never longer),
+        and no more prompt tokens than --max-prefill-tokens (the first request is always taken: one
+        prompt is bounded by --max-context)."""
+        taken, tokens = [], 0
         with self.cond:
             for it in list(self.pending):
                 if isinstance(it, _Call) or len(taken) == limit or it.key() != key:
+                    break
+                tokens += len(it.fed_prompt)
+                if taken and tokens > self.service.max_prefill_tokens:
                     break
                 self.pending.remove(it)
                 taken.append(it)
@@ -893,7 +923,8 @@ def build_app(service: EngineService, window_s: float = 0.005, max_body: int = D
     def server_info():
         args = dict(service.server_args)
         args.update(model_path=service.model_path, tokenizer_path=service.tokenizer_path,
-                    max_running_requests=service.max_batch, context_length=service.max_context)
+                    max_running_requests=service.max_batch, context_length=service.max_context,
+                    max_prefill_tokens=service.max_prefill_tokens)
         return {**args, "status": "ready", "max_total_num_tokens": service.max_batch * service.max_context,
                 "max_req_input_len": service.max_context - 1,
                 "internal_states": [{**args, "engine_batches": service.batches_run,
@@ -1191,7 +1222,8 @@ def serve(checkpoint, host: str = "127.0.0.1", port: int = 30000, device: str = 
           backends=None, tokenizer: str | None = None, max_batch: int = DEFAULT_MAX_BATCH, update_roots=(),
           window_s: float = 0.005, on_ready=print, max_context: int = DEFAULT_MAX_CONTEXT,
           prefill_chunk: int | None = None, max_body: int = DEFAULT_MAX_BODY, served_model_name: str | None = None,
-          enable_memory_saver: bool = False, seed: int = 0, base_gpu_id: int = 0):
+          enable_memory_saver: bool = False, seed: int = 0, base_gpu_id: int = 0,
+          max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS):
     """Load the checkpoint and serve until interrupted. Port 0 picks a free port; `on_ready` gets
     the line naming the address."""
     import uvicorn
@@ -1216,7 +1248,8 @@ def serve(checkpoint, host: str = "127.0.0.1", port: int = 30000, device: str = 
                    "skip_tokenizer_init": tok is None, "stream_interval": 1, "incremental_streaming_output": False,
                    "random_seed": seed, "device": str(model.device), "started": time.time()}
     service = EngineService(model, backends, tok, str(checkpoint), tok_dir or "", max_batch, update_roots,
-                            max_context, prefill_chunk, checkpoint_eos_ids(checkpoint, model, tok), server_args, seed)
+                            max_context, prefill_chunk, checkpoint_eos_ids(checkpoint, model, tok), server_args, seed,
+                            max_prefill_tokens)
     app = build_app(service, window_s, max_body)
     config = uvicorn.Config(app, log_level="warning", access_log=False)
     server = uvicorn.Server(config)
