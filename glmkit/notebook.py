@@ -221,22 +221,35 @@ def _sealed_exporter():
 # a <base href>, and in its CSS (<style> blocks, style attributes) @import or a url() not data:.
 # Read with an HTML parser, so text that only looks like markup (escaped code) is text.
 _CSS_FETCH = re.compile(r"@import\b[^;]*;?|url\(\s*[\"']?(?!data:)[^)]*\)", re.IGNORECASE)
-_LOADS = {"link": "href", "iframe": "src", "embed": "src", "frame": "src", "object": "data"}
+# attributes whose value a browser fetches by itself (any element), and hrefs that fetch on these elements
+_FETCHED = {"src", "srcset", "poster", "background", "data", "lowsrc", "dynsrc", "xlink:href", "srcdoc", "ping"}
+_FETCHED_HREF = {"link", "base", "use", "image", "feimage", "script"}
 
 
 class _Resources(HTMLParser):
+    """What in a page runs code or fetches by itself: scripts, event handlers, a refresh or other
+    http-equiv, <base>, frames' and media's sources, srcsets, CSS url()/@import; inline data: images
+    and links a reader clicks are fine."""
+
     def __init__(self):
         super().__init__(convert_charrefs=True)
         self.found, self.in_style = [], False
 
     def handle_starttag(self, tag, attrs):
-        attrs = dict(attrs)
-        shown = f"<{tag} " + " ".join(f'{k}="{v}"' for k, v in attrs.items() if v is not None)
-        if tag in ("script", "base"):
-            self.found.append(shown[:200])
-        elif tag in _LOADS and attrs.get(_LOADS[tag]) and not attrs[_LOADS[tag]].strip().startswith("data:"):
-            self.found.append(shown[:200])
-        self.found += [m.group(0)[:200] for m in _CSS_FETCH.finditer(attrs.get("style") or "")]
+        shown = (f"<{tag} " + " ".join(f'{k}="{v}"' for k, v in attrs if v is not None))[:200]
+        if tag in ("script", "base") or (tag == "meta" and any(k == "http-equiv" and (v or "").lower() !=
+                                                                 "content-security-policy" for k, v in attrs)):
+            self.found.append(shown)
+        for name, value in attrs:
+            value = (value or "").strip()
+            if name.startswith("on"):
+                self.found.append(shown)
+            elif name in _FETCHED or (name == "href" and tag in _FETCHED_HREF):
+                if value and not (value.lower().startswith("data:") and name != "srcset") and \
+                        not (name == "xlink:href" and value.startswith("#")):
+                    self.found.append(shown)
+            elif name == "style":
+                self.found += [m.group(0)[:200] for m in _CSS_FETCH.finditer(value)]
         self.in_style = tag == "style"
 
     def handle_endtag(self, tag):

@@ -14,6 +14,7 @@ own inline styles, and nothing else (no script, no connection, no frame, no form
 from __future__ import annotations
 
 import re
+from html.parser import HTMLParser
 
 CSP = ("default-src 'none'; img-src data:; font-src data:; style-src 'unsafe-inline'; script-src 'none'; "
        "connect-src 'none'; frame-src 'none'; object-src 'none'; media-src 'none'; base-uri 'none'; "
@@ -57,10 +58,28 @@ def sanitize_html(fragment: str) -> str:
                      strip_comments=True)
 
 
+class _FirstHead(HTMLParser):
+    """Where the first real <head> start tag ends (a "<head>" inside a comment, a script or an
+    attribute value is not one)."""
+
+    def __init__(self):
+        super().__init__(convert_charrefs=False)
+        self.end = None
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "head" and self.end is None:
+            line, column = self.getpos()
+            self.end = (line, column + len(self.get_starttag_text()))
+
+
 def with_csp(page: str) -> str:
     """The page with its Content-Security-Policy as the first element of <head> (before anything a
     browser could fetch)."""
-    at = re.search(r"<head\b[^>]*>", page, re.IGNORECASE)
-    if at is None:
+    finder = _FirstHead()
+    finder.feed(page)
+    finder.close()
+    if finder.end is None:
         return f"<head>{CSP_META}</head>" + page
-    return page[:at.end()] + CSP_META + page[at.end():]
+    line, column = finder.end
+    at = sum(len(text) + 1 for text in page.split("\n")[:line - 1]) + column  # the parser counts "\n" only
+    return page[:at] + CSP_META + page[at:]

@@ -5,10 +5,14 @@ small notebooks that use the real views (no model needed)."""
 
 from __future__ import annotations
 
+import http.server
+import os
 import re
+import shutil
 import subprocess
-from html.parser import HTMLParser
 import sys
+import threading
+from html.parser import HTMLParser
 from pathlib import Path
 
 import nbformat
@@ -210,20 +214,27 @@ def fetching(page: str) -> list[str]:
     return reader.found
 
 
-def test_a_report_is_sealed_against_known_bypasses(tmp_path):
-    """Every bypass displayed as an HTML output (and written into a markdown cell) leaves nothing in
-    the page that fetches, navigates or runs; the text around it stays; the CSP comes first in <head>.
-    No browser runs here: the page is checked as text (the CSP would block a request a browser made)."""
+@pytest.fixture(scope="module")
+def hostile_report(tmp_path_factory) -> Path:
+    """A report of a notebook that displays every bypass as an HTML output (and writes some into its
+    markdown cells)."""
+    root = tmp_path_factory.mktemp("hostile")
     cells = ["from IPython.display import HTML, Markdown, display"]
     cells += [f"display(HTML({b!r} + '<p>after {i}</p>'))" for i, b in enumerate(BYPASSES)]
     cells.append("display(Markdown('![tracker](https://evil.example/m.png) and <img src=x onerror=alert(1)> md'))")
-    page = notebook(tmp_path / "hostile.ipynb", *cells,
+    page = notebook(root / "hostile.ipynb", *cells,
                     markdown="# Notes\n\n![pixel](https://evil.example/pixel.png)\n\n<iframe src='https://evil.example'>"
                              "</iframe>\n\n[ok link](https://example.org) and $x^2$")
-    out = tmp_path / "report"
+    out = root / "report"
     done = glmkit_report(page, "--out", out)
     assert done.returncode == 0, done.stderr
-    text = (out / "hostile.html").read_text()
+    return out / "hostile.html"
+
+
+def test_a_report_is_sealed_against_known_bypasses(hostile_report):
+    """Every bypass leaves nothing in the page that fetches, navigates or runs; the text around it
+    stays; the CSP comes first in <head>. The page as text (the browser test below renders it)."""
+    text = hostile_report.read_text()
     assert_offline(text)
     assert fetching(text) == [], fetching(text)[:5]
     for i in range(len(BYPASSES)):
@@ -232,6 +243,88 @@ def test_a_report_is_sealed_against_known_bypasses(tmp_path):
     head = text[text.lower().index("<head"):]
     assert head[head.index(">") + 1:].lstrip().startswith('<meta http-equiv="Content-Security-Policy"')
     assert "default-src 'none'" in text and "script-src 'none'" in text
+
+
+BROWSER = shutil.which("chromium-headless-shell") or shutil.which("chromium")
+
+
+class _Recorder(http.server.BaseHTTPRequestHandler):
+    """Serves the page under test at /page.html and records every request, for any host (the browser
+    sends all its traffic here as its proxy)."""
+
+    page: bytes = b""
+    seen: list = []
+
+    def _answer(self):
+        self.seen.append(f"{self.command} {self.path}")
+        if self.command == "GET" and self.path.endswith("/page.html"):
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html; charset=utf-8")
+            self.end_headers()
+            self.wfile.write(self.page)
+            return
+        self.send_response(204)
+        self.end_headers()
+
+    do_GET = do_POST = do_HEAD = do_CONNECT = do_PUT = do_OPTIONS = _answer
+
+    def log_message(self, *args):
+        pass
+
+
+def requests_made_rendering(page: bytes) -> list[str]:
+    """Render `page` in headless Chromium (5 s of virtual time: timers, refreshes and lazy loads run)
+    with every request, to any host and loopback included, sent to a recorder on 127.0.0.1 -> the
+    requests other than the page itself."""
+    handler = type("Recorder", (_Recorder,), {"page": page, "seen": []})
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    proxy = f"http://127.0.0.1:{server.server_port}"
+    try:
+        done = subprocess.run([BROWSER, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+                               "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                               f"--proxy-server={proxy}", "--proxy-bypass-list=<-loopback>",
+                               "--virtual-time-budget=5000", "--dump-dom", f"{proxy}/page.html"],
+                              capture_output=True, text=True, timeout=120)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert done.returncode == 0 and "<body" in done.stdout, done.stderr[-2000:]
+    return [r for r in handler.seen if not r.endswith("/page.html")]
+
+
+def test_a_browser_rendering_the_sealed_report_makes_no_request(hostile_report):
+    """Headless Chromium renders the hostile report served from loopback, with a proxy that records
+    every request: none but the page's own. The same browser rendering the bypasses unsealed makes
+    requests (the check can see them). CI installs Chromium (.ci/run); elsewhere the test runs where
+    one is found."""
+    if BROWSER is None:
+        assert not os.environ.get("CI"), "CI must have Chromium (.ci/run installs chromium-headless-shell)"
+        pytest.skip("no Chromium here (apt-get install chromium-headless-shell)")
+    unsealed = "<html><head></head><body>" + "".join(BYPASSES) + "</body></html>"
+    leaked = requests_made_rendering(unsealed.encode())
+    assert len(leaked) >= 5, leaked                                   # the recorder sees what a page fetches
+    assert requests_made_rendering(hostile_report.read_bytes()) == []
+
+
+@pytest.mark.parametrize("page,head", [
+    ('<!DOCTYPE html>\n<html>\n<!-- a <head> in a comment -->\n<head lang="x>y">\n<title>t</title></head><body></body>',
+     '<head lang="x>y">'),
+    ('<html>\r\n\x0c<HEAD>\u2028</HEAD><body><p>&lt;head&gt;</p></body></html>', "<HEAD>"),
+    ('<html><body>no head</body></html>', None),
+])
+def test_the_csp_goes_first_into_the_real_head(page, head):
+    """The policy lands right after the first real <head> start tag (not one in a comment or an
+    attribute; line breaks of any kind before it), or in a <head> of its own before a page without one."""
+    from glmkit.seal import CSP_META, with_csp
+
+    sealed = with_csp(page)
+    if head is None:
+        assert sealed == f"<head>{CSP_META}</head>" + page
+        return
+    at = sealed.index(CSP_META)
+    assert sealed.count(CSP_META) == 1 and sealed[:at] + sealed[at + len(CSP_META):] == page
+    assert sealed[:at].endswith(head) and sealed[:at].count(head) == 1
 
 
 def test_the_sanitiser_keeps_what_views_draw():
@@ -268,6 +361,18 @@ def test_a_javascript_output_is_dropped_not_run(tmp_path):
     '<div style="background-image: url(\'//example.org/bg.png\')">x</div>',
     '<iframe src="https://example.org"></iframe>',
     '<base href="https://example.org/">',
+    '<img src="https://example.org/x.png">',
+    '<img src="pixel.png">',
+    '<img srcset="https://example.org/a.png 1x" src="data:image/png;base64,iVBORw0KGgo=">',
+    '<img src="data:image/png;base64,iVBORw0KGgo=" onerror="alert(1)">',
+    '<meta http-equiv="refresh" content="0; url=https://example.org/">',
+    '<video poster="https://example.org/p.png"></video>',
+    '<audio><source src="https://example.org/a.mp3"></audio>',
+    '<svg><use href="https://example.org/s.svg#a"></use></svg>',
+    '<svg><image xlink:href="https://example.org/i.png"></image></svg>',
+    '<table background="https://example.org/t.png"></table>',
+    '<iframe srcdoc="&lt;script&gt;alert(1)&lt;/script&gt;"></iframe>',
+    '<a href="https://example.org" ping="https://example.org/track">a</a>',
 ])
 def test_external_resource_rule_flags_what_would_load_or_run(snippet):
     assert external_resources(f"<html><head></head><body>{snippet}</body></html>")
