@@ -1014,19 +1014,37 @@ def _raised_by_glmkit(err: BaseException) -> bool:
     return package in filename.parents or package.parent / "widgets" in filename.parents
 
 
-def _internal_error(command: str, err: BaseException) -> int:
-    """A bug, not the user's input: one line, and the traceback in a file whose path is printed."""
+def _error_folder() -> Path:
+    """This user's folder for tracebacks: $TMPDIR/glmkit-errors-UID, made 0700 and owned by this user
+    (a folder of that name someone else made, or a symlink, is refused: the file is not written)."""
+    import stat
     import tempfile
+
+    folder = Path(tempfile.gettempdir()) / f"glmkit-errors-{os.getuid()}"
+    try:
+        folder.mkdir(mode=0o700)
+    except FileExistsError:
+        pass
+    info = os.lstat(folder)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise PermissionError(f"{folder} is not a private folder of this user")
+    return folder
+
+
+def _internal_error(command: str, err: BaseException) -> int:
+    """A bug, not the user's input: one line, and the traceback in a file whose path is printed (a new
+    file, never one that exists or a link)."""
     import traceback
 
-    folder = Path(tempfile.gettempdir()) / "glmkit-errors"
+    text = "".join(traceback.format_exception(err))
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        path = folder / f"glmkit-{command}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.txt"
-        path.write_text("".join(traceback.format_exception(err)))
+        path = _error_folder() / f"glmkit-{command}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.txt"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
         saved = f"traceback saved to {path}"
     except OSError:
-        saved = "the traceback could not be saved:\n" + "".join(traceback.format_exception(err))
+        saved = "the traceback could not be saved:\n" + text
     first = (str(err).splitlines() or [""])[0][:300]
     print(f"glmkit {command}: internal error: {type(err).__name__}: {first} ({saved}; please report it)",
           file=sys.stderr)

@@ -64,21 +64,23 @@ def through_link(path: Path) -> bool:
     return any(p.is_symlink() for p in (path, *path.parents))
 
 
-def refuse_replacing(path: Path, flag: str, what: str, inputs: dict | None = None) -> None:
-    """Checks before --overwrite removes the file `path`: it must be a regular file glmkit marked as
-    `what`, reached through no symbolic link, and none of this command's inputs. One-line refusals."""
+def refuse_replacing(path: Path, flag: str, what: str, inputs: dict | None = None,
+                     action: str = "--overwrite replaces") -> None:
+    """Checks before --overwrite removes the file `path` (or --resume writes into it, `action` saying
+    which): it must be a regular file glmkit marked as `what`, reached through no symbolic link, and
+    none of this command's inputs. One-line refusals."""
     path = Path(path)
     for name, given in (inputs or {}).items():
         if given and os.path.exists(given) and os.path.exists(path) and os.path.samefile(given, path):
-            raise ValueError(f"{flag} {path} is this run's {name}: it is never replaced; choose another {flag}")
+            raise ValueError(f"{flag} {path} is this run's {name}: it is never written; choose another {flag}")
     if through_link(path):
-        raise ValueError(f"{flag} {path}: reached through a symbolic link; --overwrite never removes through one "
+        raise ValueError(f"{flag} {path}: reached through a symbolic link; {action} nothing through one "
                          f"(name the file itself)")
     if not path.is_file():
-        raise ValueError(f"{flag} {path}: not a regular file; --overwrite replaces only files glmkit wrote")
+        raise ValueError(f"{flag} {path}: not a regular file; {action} only files glmkit wrote")
     if not is_glmkit_file(path):
         raise ValueError(f"{flag} {path}: not a {what} glmkit wrote (no {file_marker(path).name} beside it); "
-                         f"--overwrite replaces only those: remove it yourself or choose another {flag}")
+                         f"{action} only those: remove it yourself or choose another {flag}")
 
 
 def refuse_input_as_output(path: Path, flag: str, inputs: dict) -> None:

@@ -121,6 +121,27 @@ def test_the_error_contract(tmp_path):
     assert refused.returncode == 2 and refused.stderr.strip() == "glmkit train: error: --lr must be > 0, got -1.0"
 
 
+def test_a_traceback_is_never_written_through_a_link_or_into_a_shared_folder(tmp_path):
+    """The traceback folder is this user's own (0700): a symlink or an open folder planted at its name
+    is not written through (the traceback goes to the terminal instead), and a file is always new."""
+    folder = tmp_path / f"glmkit-errors-{os.getuid()}"
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    folder.symlink_to(victim)
+    planted = failing_check("raise KeyError('bug')", tmp_path)
+    assert planted.returncode == 3 and "could not be saved" in planted.stderr and "Traceback" in planted.stderr
+    assert list(victim.iterdir()) == []
+    folder.unlink()
+    folder.mkdir(mode=0o777)
+    folder.chmod(0o777)
+    open_folder = failing_check("raise KeyError('bug')", tmp_path)
+    assert "could not be saved" in open_folder.stderr and list(folder.iterdir()) == []
+    folder.chmod(0o700)
+    private = failing_check("raise KeyError('bug')", tmp_path)
+    saved = Path(private.stderr.split("traceback saved to ")[1].split(";")[0])
+    assert saved.parent == folder and oct(saved.stat().st_mode & 0o777) == "0o600"
+
+
 def test_sizes_are_bounded_before_anything_is_allocated(tmp_path):
     """A huge batch is refused at once with the numbers (it used to hang); a prompt row over the row
     limit is skipped unread, naming the limit, and the rows after it are kept."""

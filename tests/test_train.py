@@ -275,6 +275,13 @@ def test_resume_cuts_the_metrics_back_to_the_checkpoint(tmp_path):
     assert len(side) == 1 and [json.loads(line)["step"] for line in side[0].read_text().splitlines()] == [2, 2]
     resumed.run()
     assert [h["step"] for h in rollout_rows(read_metrics(tmp_path / "metrics.jsonl"))] == [0, 1, 2, 3]
+    # resuming into a file glmkit did not write (someone's rows) is refused before it is cut or appended to
+    foreign = tmp_path / "rows.jsonl"
+    foreign.write_text('{"step": 7, "note": "mine"}\nnot json\n')
+    cfg.metrics_out, cfg.num_rollout = str(foreign), 5
+    with pytest.raises(ValueError, match="not a metrics file glmkit wrote .* --resume appends to only those"):
+        GRPOTrainer(cfg)
+    assert foreign.read_text() == '{"step": 7, "note": "mine"}\nnot json\n' and not list(tmp_path.glob("rows.jsonl.*"))
 
 
 def test_fail_unhealthy_exits_non_zero_with_reasons(tmp_path):

@@ -234,7 +234,9 @@ def _claim_outputs(cfg) -> list[str]:
         check_dir_out(save, "--save", whole=False)
     checkpoints = sorted(save.glob("iter_*")) + [m for m in [save / "latest_checkpointed_iteration.txt"]
                                                   if m.exists()] if save is not None and save.is_dir() else []
-    if cfg.resume:
+    if cfg.resume:  # the run's own metrics file is cut back and appended to: never another file
+        if metrics.exists() or metrics.is_symlink():
+            refuse_replacing(metrics, "--metrics-out", "metrics file", _inputs(cfg), action="--resume appends to")
         return []
     if not cfg.overwrite:
         if metrics.exists():
