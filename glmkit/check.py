@@ -164,5 +164,10 @@ def render(result: dict) -> str:
 def write(result: dict, out_dir: Path) -> tuple[Path, Path]:
     from glmkit import report
 
+    from glmkit.outputs import mark_file
+
     public = {k: v for k, v in result.items() if not k.startswith("_")}
-    return report.write_report(out_dir, "check", render(result), public)
+    written = report.write_report(out_dir, "check", render(result), public)
+    for path in written:
+        mark_file(path, "check report")
+    return written

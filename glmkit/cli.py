@@ -71,10 +71,19 @@ def _dtype(name: str):
 
 
 def cmd_check(args) -> int:
+    from glmkit.outputs import RunLock
+
+    with RunLock(Path(args.out) / "check", "--out"):  # one check writing into this folder at a time
+        return _check(args)
+
+
+def _check(args) -> int:
     from glmkit import check
-    from glmkit.outputs import check_dir_out
+    from glmkit.outputs import check_dir_out, claim_file
 
     check_dir_out(args.out, "--out", whole=False)  # the report is written into it, after minutes of work
+    for name in ("check.json", "check.html"):  # replaced only when an earlier check wrote them
+        claim_file(Path(args.out) / name, "--out", "check report", _given_paths(args, "out"))
     if args.decode_steps < 2:  # the decode comparison feeds steps 2.. of the greedy rollout
         raise ValueError(f"--decode-steps must be >= 2, got {args.decode_steps}")
     settings = check.CheckSettings(checkpoint=Path(args.checkpoint) if args.checkpoint else None,
@@ -134,12 +143,40 @@ def _thresholds(items) -> dict:
     return out
 
 
+def _given_paths(args, *outputs: str) -> dict:
+    """The command's arguments that name something on disk (its inputs), by flag; `outputs` (argument
+    names) left out. --paths' comma-separated entries count one by one."""
+    found = {}
+    for name, value in vars(args).items():
+        if name in outputs or name == "func":
+            continue
+        values = value.split(",") if name == "paths" and isinstance(value, str) else \
+            value if isinstance(value, list) else [value]
+        for v in values:
+            if isinstance(v, str) and v.strip() and os.path.exists(v.strip()):
+                found[f"--{name.replace('_', '-')}" + (f" {v.strip()}" if len(values) > 1 else "")] = v.strip()
+    return found
+
+
+def _json_lock(args):
+    """The --json file's lock while the command runs (nothing when no --json is given)."""
+    import contextlib
+
+    from glmkit.outputs import RunLock
+
+    return RunLock(args.json, "--json") if getattr(args, "json", None) else contextlib.nullcontext()
+
+
 def cmd_parity(args) -> int:
+    with _json_lock(args):
+        return _parity(args)
+
+
+def _parity(args) -> int:
     import json
 
-    from glmkit.outputs import check_dir_out, check_file_out
+    from glmkit.outputs import check_dir_out, claim_file, write_marked
     from glmkit.parity.builtin import parity
-    from glmkit.report import write_atomic
 
     paths = [p.strip() for p in args.paths.split(",") if p.strip()]
     if len(paths) != 2:
@@ -153,7 +190,7 @@ def cmd_parity(args) -> int:
                          "--batch x --seq-len", paths=1 if args.streaming else 2)
     # outputs are checked before the comparison runs, not after it
     if args.json:
-        check_file_out(args.json, "--json")
+        claim_file(args.json, "--json", "JSON result", _given_paths(args, "json", "save_captures"))
     if args.save_captures:
         check_dir_out(args.save_captures, "--save-captures", whole=False)
     replay_from = None
@@ -171,8 +208,8 @@ def cmd_parity(args) -> int:
         result.parameter_gradients = params
         print(_gradient_lines(acts, params))
         if args.json:
-            write_atomic(args.json, json.dumps({"gradients": acts.to_json(), "parameter_gradients": params.to_json()},
-                                               indent=2))
+            write_marked(args.json, json.dumps({"gradients": acts.to_json(), "parameter_gradients": params.to_json()},
+                                               indent=2), "JSON result")
         return 0 if acts.verdict == params.verdict == "pass" else 1
     result, cap_a, cap_b = parity(args.checkpoint, paths, args.checkpoint_b, args.seq_len, args.batch, args.dtype,
                                   args.device, _backends(args), args.streaming, thresholds,
@@ -195,7 +232,7 @@ def cmd_parity(args) -> int:
     if result.gradients is not None or result.parameter_gradients is not None:
         print(_gradient_lines(result.gradients, result.parameter_gradients))
     if args.json:
-        write_atomic(args.json, json.dumps(result.to_json(), indent=2))
+        write_marked(args.json, json.dumps(result.to_json(), indent=2), "JSON result")
     if args.save_captures:
         from glmkit.parity.dump import save_capture
 
@@ -369,15 +406,16 @@ def _finding_command(args, run) -> int:
     written to --json (strict JSON, atomically), exit 0 on pass and 1 on a finding."""
     import json
 
-    from glmkit.outputs import check_file_out
-    from glmkit.report import json_safe, write_atomic
+    from glmkit.outputs import claim_file, write_marked
+    from glmkit.report import json_safe
 
-    if args.json:
-        check_file_out(args.json, "--json")  # before any work
-    result = run()
-    print(result.text())
-    if args.json:
-        write_atomic(Path(args.json), json.dumps(json_safe(result.to_json()), indent=2))
+    with _json_lock(args):
+        if args.json:
+            claim_file(args.json, "--json", "JSON result", _given_paths(args, "json"))  # before any work
+        result = run()
+        print(result.text())
+        if args.json:
+            write_marked(args.json, json.dumps(json_safe(result.to_json()), indent=2), "JSON result")
     return 0 if result.verdict == "pass" else 1
 
 

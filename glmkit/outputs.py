@@ -83,6 +83,26 @@ def refuse_replacing(path: Path, flag: str, what: str, inputs: dict | None = Non
                          f"{action} only those: remove it yourself or choose another {flag}")
 
 
+def claim_file(path, flag: str, what: str, inputs: dict | None = None) -> Path:
+    """An output file a command (re)writes whole, checked before any work: not a directory, none of
+    the command's inputs, and when something is there already, a `what` glmkit marked, reached through
+    no link (so a re-run replaces its own result and nothing else)."""
+    path = check_file_out(path, flag)
+    refuse_input_as_output(path, flag, inputs or {})
+    if path.exists() or path.is_symlink():
+        refuse_replacing(path, flag, what, inputs, action="glmkit replaces")
+    return path
+
+
+def write_marked(path, data: bytes | str, what: str) -> Path:
+    """Write `path` atomically (a reader never sees half of it) and mark it as glmkit's `what`."""
+    from glmkit.report import write_atomic
+
+    write_atomic(Path(path), data)
+    mark_file(path, what)
+    return Path(path)
+
+
 def refuse_input_as_output(path: Path, flag: str, inputs: dict) -> None:
     """An output path must not be one of the same command's inputs (same file, or a folder holding it)."""
     target = Path(os.path.abspath(path))

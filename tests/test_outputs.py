@@ -176,3 +176,86 @@ def test_an_output_holding_an_input_is_refused(tmp_path):
     inner.mkdir(parents=True)
     with pytest.raises(ValueError, match="holds this run's --checkpoint"):
         refuse_input_as_output(tmp_path / "out", "--save", {"--checkpoint": str(inner)})
+
+
+TINY = ROOT / "glmkit" / "assets" / "tiny_start"
+
+
+def test_single_file_outputs_replace_only_what_glmkit_wrote(tmp_path):
+    """--json and check's report files: someone's file at that path, a link, or one of the command's
+    own inputs is refused before any work (exit 2, the file unchanged); a result glmkit wrote is replaced."""
+    notes = tmp_path / "notes.json"
+    notes.write_text('{"mine": 1}')
+    refused = glmkit("parity", "--checkpoint", TINY, "--paths", "reference,train", "--json", notes)
+    assert refused.returncode == 2 and "not a JSON result glmkit wrote" in refused.stderr
+    assert notes.read_text() == '{"mine": 1}'
+    config = tmp_path / "ckpt"
+    config.mkdir()
+    for f in TINY.iterdir():
+        (config / f.name).symlink_to(f)  # a checkpoint folder whose files are links to the shipped ones
+    (config / "config.json").unlink()
+    (config / "config.json").write_text((TINY / "config.json").read_text())
+    as_input = glmkit("parity", "--checkpoint", config, "--paths", "reference,train", "--json", config / "config.json")
+    assert as_input.returncode == 2 and "--json" in as_input.stderr
+    assert (config / "config.json").read_text() == (TINY / "config.json").read_text()
+    selections = tmp_path / "selections.json"  # a result glmkit wrote, named as this run's input too: kept
+    selections.write_text("{}")
+    mark_file(selections, "JSON result")
+    marked_input = glmkit("parity", "--checkpoint", TINY, "--paths", "reference,train", "--replay-topk-from",
+                          selections, "--json", selections)
+    assert marked_input.returncode == 2 and "is this run's --replay-topk-from" in marked_input.stderr
+    assert selections.read_text() == "{}"
+    out = tmp_path / "check"
+    out.mkdir()
+    (out / "check.json").write_text("{}")
+    foreign = glmkit("check", "--variant", "tiny", "--out", out)
+    assert foreign.returncode == 2 and "not a check report glmkit wrote" in foreign.stderr
+    assert (out / "check.json").read_text() == "{}"
+
+
+def test_launch_metrics_are_replaced_or_appended_only_when_glmkit_wrote_them(tmp_path):
+    from glmkit.launch.jobs import _Store
+    from glmkit.launch.run import _fresh
+
+    rows = tmp_path / "data.jsonl"
+    rows.write_text('{"prompt": "1+1=", "label": "2"}\n')  # JSON objects, but a dataset: never deleted
+    with pytest.raises(ValueError, match="not a metrics file glmkit wrote"):
+        _fresh(rows)
+    with pytest.raises(ValueError, match="a follow appends to only those"):
+        _Store(rows)
+    assert rows.read_text() == '{"prompt": "1+1=", "label": "2"}\n'
+    metrics = tmp_path / "m.jsonl"
+    store = _Store(metrics)
+    store.add([{"rollout/step": 0, "rollout/raw_reward": 0.5}])
+    assert is_glmkit_file(metrics)
+    assert _Store(metrics).known == store.known  # a re-attach continues it
+    _fresh(metrics)
+    assert not metrics.exists()
+
+
+def test_a_second_follower_of_one_metrics_file_is_refused(tmp_path):
+    from glmkit.launch.run import _owns_metrics
+
+    @_owns_metrics
+    def nested(*, metrics_out=None):  # the same file while this process holds it: refused, holder named
+        with pytest.raises(ValueError, match=f"is in use by another glmkit run .*pid={os.getpid()}"):
+            with RunLock(metrics_out, "--metrics-out"):
+                pass
+        return "held"
+
+    assert nested(metrics_out=tmp_path / "m.jsonl") == "held"
+    with RunLock(tmp_path / "m.jsonl", "--metrics-out"):
+        with pytest.raises(ValueError, match="is in use by another glmkit run"):
+            nested(metrics_out=tmp_path / "m.jsonl")
+
+
+def test_a_capture_is_marked(tmp_path):
+    import torch
+
+    from glmkit.parity.dump import Capture, load_capture, save_capture
+
+    cap = Capture(tensors={(0, "attn_out"): torch.ones(3, 2)}, input_ids=torch.arange(3), cu_seqlens=torch.tensor([0, 3]),
+                  manifest={"path": "train"})
+    save_capture(cap, tmp_path / "cap")
+    assert (tmp_path / "cap" / ".glmkit-output").read_text().startswith("kind: parity capture\n")
+    assert torch.equal(load_capture(tmp_path / "cap").tensors[(0, "attn_out")], torch.ones(3, 2))

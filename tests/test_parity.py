@@ -76,6 +76,7 @@ def test_cli_pass_and_json_schema(ckpt, tmp_path):
                      "--json", tmp_path / "r.json")
     assert out.returncode == 0, out.stderr
     data = json.loads((tmp_path / "r.json").read_text())
+    assert (tmp_path / ".r.json.glmkit-output").read_text().startswith("kind: JSON result\n")  # a re-run replaces it
     assert set(data) >= {"verdict", "first_divergence", "logprob_abs_diff", "sites"}
     assert data["verdict"] == "pass" and data["first_divergence"] is None
     assert {"layer", "site", "max_abs", "rel_rms", "cosine"} <= set(data["sites"][0])

@@ -208,9 +208,12 @@ class _Store:
     follow continues the same file); each poll's rows are written in one append."""
 
     def __init__(self, path):
+        from glmkit.outputs import refuse_replacing
+
         self.path = Path(path) if path else None
         self.known = set()
-        if self.path is not None and self.path.exists():
+        if self.path is not None and (self.path.exists() or self.path.is_symlink()):
+            refuse_replacing(self.path, "--metrics-out", "metrics file", action="a follow appends to")
             self.known = {line.strip() for line in self.path.read_text().splitlines() if line.strip()}
 
     def add(self, rows: list):
@@ -223,9 +226,13 @@ class _Store:
                 self.known.add(text)
                 texts.append(text)
         if texts:
+            from glmkit.outputs import is_glmkit_file, mark_file
+
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with self.path.open("a") as f:
                 f.write("\n".join(texts) + "\n")
+            if not is_glmkit_file(self.path):
+                mark_file(self.path, "metrics file")
 
 
 def _poll(client, job_id: str, tail: _Tail, store: _Store, rows: list, on_log, on_row, on_rows) -> tuple[str, str]:

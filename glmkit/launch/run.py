@@ -75,6 +75,23 @@ def open_cluster(address: str | None = None, num_cpus: int = 2, num_gpus: int | 
         cluster.close()
 
 
+def _owns_metrics(follow):
+    """Hold the metrics file's lock while a run is started and followed: a second follower writing
+    the same file is refused with the holder named."""
+    import functools
+
+    @functools.wraps(follow)
+    def locked(*args, metrics_out=None, **kwargs):
+        from glmkit.outputs import RunLock
+
+        if metrics_out is None:
+            return follow(*args, metrics_out=None, **kwargs)
+        with RunLock(metrics_out, "--metrics-out"):
+            return follow(*args, metrics_out=metrics_out, **kwargs)
+    return locked
+
+
+@_owns_metrics
 def run_builtin(cluster: Cluster, fields: dict, run_name: str, *, rollout_actors: int = 1, trainers: int = 0,
                 gpus: bool = False, bundle_gpu: float = 1.0, reattach: bool = True, metrics_out=None,
                 on_rows=None, on_log=None, on_job=None, poll: float = 1.0) -> jobs.JobResult:
@@ -100,6 +117,7 @@ def run_builtin(cluster: Cluster, fields: dict, run_name: str, *, rollout_actors
     return jobs.follow(cluster.client, job, metrics_out=metrics_out, on_rows=on_rows, on_log=on_log, poll=poll)
 
 
+@_owns_metrics
 def run_miles(cluster: Cluster, plan, run_name: str, *, reattach: bool = True, metrics_out=None, on_rows=None,
               on_log=None, on_job=None, env: dict | None = None, poll: float = 1.0,
               timeout: float | None = None, on_training_job=None) -> jobs.JobResult:
@@ -146,6 +164,7 @@ def run_miles(cluster: Cluster, plan, run_name: str, *, reattach: bool = True, m
                               poll=poll, timeout=timeout, on_training_job=on_training_job)
 
 
+@_owns_metrics
 def attach(cluster: Cluster, run_name: str, *, metrics_out=None, on_rows=None, on_log=None, poll: float = 1.0,
            timeout: float | None = None, on_training_job=None) -> jobs.JobResult | None:
     """Follow the newest job of `run_name`, running or finished, submitting nothing (None when there is
@@ -202,18 +221,12 @@ def launch_verdict(result, plan=None, dry_run: bool = False, errors=()) -> dict:
 
 
 def _fresh(metrics_out):
-    """A new run starts its metrics store empty (a re-attached one continues it). Only a metrics file is
-    removed (every line a JSON object); anything else at that path is refused, never deleted."""
-    import json
+    """A new run starts its metrics store empty (a re-attached one continues it). Only a metrics file
+    glmkit marked is removed; anything else at that path (a dataset, a link) is refused, never deleted."""
+    from glmkit.outputs import refuse_replacing
 
     path = Path(metrics_out) if metrics_out is not None else None
-    if path is None or not path.exists():
+    if path is None or not (path.exists() or path.is_symlink()):
         return
-    try:
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-        ours = path.is_file() and not path.is_symlink() and all(isinstance(r, dict) for r in rows)
-    except (OSError, ValueError, UnicodeDecodeError):
-        ours = False
-    if not ours:
-        raise FileExistsError(f"{path}: exists and is not a metrics file; give another metrics path")
+    refuse_replacing(path, "--metrics-out", "metrics file", action="a new run replaces")
     path.unlink()

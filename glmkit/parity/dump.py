@@ -30,7 +30,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from glmkit.outputs import check_dir_out, staging_dir
+from glmkit.outputs import check_dir_out, mark, staging_dir
 
 FORMAT = "glmkit-capture/1"
 
@@ -93,6 +93,7 @@ def save_capture(capture: Capture, out: str | os.PathLike) -> Path:
         manifest = dict(capture.manifest, format=FORMAT, input_sha256=capture.input_sha256,
                         lengths=capture.lengths, sites=sorted(k for k in tensors if not k.startswith("input/")))
         (staging / "manifest.json").write_text(json.dumps(manifest, indent=2))
+        mark(staging, "parity capture")
         if out.exists():
             out.rmdir()
         os.replace(staging, out)
