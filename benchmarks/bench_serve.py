@@ -2,7 +2,7 @@
 
     python benchmarks/bench_serve.py [--checkpoint DIR] [--device cpu|cuda] [--clients 16]
                                      [--requests 64] [--max-new-tokens 32] [--time-limit-s 120]
-                                     [--out FILE.json]
+                                     [--teacher-forced 4 --teacher-len 8192] [--out FILE.json]
 
 Starts the server as its own process (default: the shipped tiny checkpoint on the CPU), then
 `--clients` threads send `--requests` single-prompt requests in all (random prompts of 8-64 tokens,
@@ -11,6 +11,11 @@ requests/s, output tokens/s, p50 / p99 latency, and what was lost (a request wit
 asked length counts as lost; the run fails if any is). For scale, the same prompts run through the
 in-process engine in batches of the server's size, in this process: the ratio is the server's
 tokens/s over the engine's (the price of HTTP, JSON and the batching window).
+With `--teacher-forced N`, N prompts of `--teacher-len` tokens are then sent together as one
+teacher-forced request (max_new_tokens 0, log-probs of every prompt token): its time, and the largest
+difference of its log-probs from the train path's in this process (the server takes them from the
+prefill's hidden states a few hundred rows at a time; the vocabulary never sits whole in memory for
+all tokens).
 On the GPU: synthesise the 4-layer slice first (`glmkit ckpt synth --variant GLM-5.3-Flash-4layer
 --device cuda --out DIR`) and pass `--checkpoint DIR --device cuda`.
 """
@@ -48,6 +53,35 @@ def start_server(checkpoint, device, max_batch):
     return proc, line.split(" on ")[1].split()[0]
 
 
+def teacher_forced(client, vocab: int, count: int, length: int) -> dict:
+    """`count` prompts of `length` random tokens in one teacher-forced request -> time and log-probs."""
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, vocab, (length,), generator=g).tolist() for _ in range(count)]
+    start = time.perf_counter()
+    answers = client.generate(input_ids=prompts, sampling_params={"max_new_tokens": 0}, return_logprob=True,
+                              logprob_start_len=0)
+    seconds = time.perf_counter() - start
+    logprobs = [[lp for lp, _, _ in a["meta_info"]["input_token_logprobs"][1:]] for a in answers]
+    return {"prompts": prompts, "logprobs": logprobs, "seconds": seconds, "tokens_per_s": count * length / seconds}
+
+
+def compare_with_train_path(model, prompts, logprobs) -> dict:
+    """The server's teacher-forced log-probs against TrainPath's, one prompt at a time."""
+    import torch
+
+    from glmkit.model import TrainPath
+
+    path, worst, total, n = TrainPath(model), 0.0, 0.0, 0
+    with torch.no_grad():
+        for prompt, got in zip(prompts, logprobs):
+            want = path.forward([prompt]).logprobs[:-1].float().cpu()
+            diff = (torch.tensor(got) - want).abs()
+            worst, total, n = max(worst, float(diff.max())), total + float(diff.sum()), n + diff.numel()
+    return {"max_abs_diff": worst, "mean_abs_diff": total / max(n, 1)}
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", default=str(ROOT / "glmkit" / "assets" / "tiny_start"))
@@ -57,6 +91,8 @@ def main(argv=None):
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--max-batch", type=int, default=16)
     parser.add_argument("--time-limit-s", type=float, default=120.0)
+    parser.add_argument("--teacher-forced", type=int, default=0, metavar="N")
+    parser.add_argument("--teacher-len", type=int, default=8192)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     for name in ("clients", "requests", "max_new_tokens", "max_batch"):
@@ -105,6 +141,7 @@ def main(argv=None):
         wall = time.perf_counter() - began
         served = len(latencies)
         after = client.server_info()["internal_states"][0]
+        teacher = teacher_forced(client, vocab, args.teacher_forced, args.teacher_len) if args.teacher_forced else None
     finally:
         proc.kill()
         proc.wait(30)
@@ -122,6 +159,8 @@ def main(argv=None):
         torch.cuda.synchronize()
     engine_s = time.perf_counter() - start
 
+    if teacher is not None:
+        teacher.update(compare_with_train_path(engine.model, teacher.pop("prompts"), teacher.pop("logprobs")))
     unsent = args.requests - served - len(lost)
     q = sorted(latencies)
     result = {"checkpoint": args.checkpoint, "device": args.device, "clients": args.clients,
@@ -140,6 +179,11 @@ def main(argv=None):
     if served:
         print(f"in-process engine, same prompts in batches of {args.max_batch}: "
               f"{result['in_process_tokens_per_s']:.0f} tok/s; server / in-process: {result['ratio']:.2f}x")
+    if teacher is not None:
+        result["teacher_forced"] = teacher
+        print(f"teacher-forced: {args.teacher_forced} x {args.teacher_len} tokens in one request, "
+              f"{teacher['seconds']:.2f} s ({teacher['tokens_per_s']:.0f} tok/s); max |log-prob - train path's| "
+              f"{teacher['max_abs_diff']:.3e}, mean {teacher['mean_abs_diff']:.3e}")
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     if lost:
