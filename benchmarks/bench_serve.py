@@ -36,9 +36,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def start_server(checkpoint, device, max_batch):
+def start_server(checkpoint, device, max_batch, kda_backend):
     proc = subprocess.Popen([sys.executable, "-m", "glmkit", "serve", "--checkpoint", str(checkpoint), "--port", "0",
-                             "--device", device, "--max-batch-size", str(max_batch)],
+                             "--device", device, "--max-batch-size", str(max_batch), "--kda-backend", kda_backend],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     seen = []  # what the server printed before it listened: its error, when it does not start
@@ -67,13 +67,13 @@ def teacher_forced(client, vocab: int, count: int, length: int) -> dict:
     return {"prompts": prompts, "logprobs": logprobs, "seconds": seconds, "tokens_per_s": count * length / seconds}
 
 
-def compare_with_train_path(model, prompts, logprobs) -> dict:
+def compare_with_train_path(model, prompts, logprobs, backends) -> dict:
     """The server's teacher-forced log-probs against TrainPath's, one prompt at a time."""
     import torch
 
     from glmkit.model import TrainPath
 
-    path, worst, total, n = TrainPath(model), 0.0, 0.0, 0
+    path, worst, total, n = TrainPath(model, backends), 0.0, 0.0, 0
     with torch.no_grad():
         for prompt, got in zip(prompts, logprobs):
             want = path.forward([prompt]).logprobs[:-1].float().cpu()
@@ -91,10 +91,13 @@ def main(argv=None):
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--max-batch", type=int, default=16)
     parser.add_argument("--time-limit-s", type=float, default=120.0)
+    parser.add_argument("--kda-backend", choices=["torch", "fla"],
+                        help="both sides' KDA kernels (default: fla on cuda, torch on cpu)")
     parser.add_argument("--teacher-forced", type=int, default=0, metavar="N")
     parser.add_argument("--teacher-len", type=int, default=8192)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    args.kda_backend = args.kda_backend or ("fla" if args.device == "cuda" else "torch")
     for name in ("clients", "requests", "max_new_tokens", "max_batch"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
@@ -103,7 +106,7 @@ def main(argv=None):
 
     from glmkit.serve.client import SGLangClient, SGLangError
 
-    proc, url = start_server(args.checkpoint, args.device, args.max_batch)
+    proc, url = start_server(args.checkpoint, args.device, args.max_batch, args.kda_backend)
     try:
         client = SGLangClient(url, timeout_s=args.time_limit_s, retries=0)
         from glmkit.checkpoint import open_checkpoint
@@ -149,7 +152,7 @@ def main(argv=None):
     from glmkit.model import RolloutEngine, load_model
     from glmkit.model.rollout import SamplingParams
 
-    engine = RolloutEngine(load_model(args.checkpoint, device=args.device))
+    engine = RolloutEngine(load_model(args.checkpoint, device=args.device), f"kda={args.kda_backend}")
     params = SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens)
     engine.generate(prompts[:1], SamplingParams(max_new_tokens=2))
     start = time.perf_counter()
@@ -160,7 +163,8 @@ def main(argv=None):
     engine_s = time.perf_counter() - start
 
     if teacher is not None:
-        teacher.update(compare_with_train_path(engine.model, teacher.pop("prompts"), teacher.pop("logprobs")))
+        teacher.update(compare_with_train_path(engine.model, teacher.pop("prompts"), teacher.pop("logprobs"),
+                                               f"kda={args.kda_backend}"))
     unsent = args.requests - served - len(lost)
     q = sorted(latencies)
     result = {"checkpoint": args.checkpoint, "device": args.device, "clients": args.clients,

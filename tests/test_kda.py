@@ -59,6 +59,21 @@ def test_chunk_boundaries(T):
     assert rel_rms(o_rec, o_chunk) < TOL and rel_rms(s_rec, s_chunk) < TOL
 
 
+def test_chunks_in_groups_equal_all_chunks_at_once(monkeypatch):
+    """The chunked form holds the pairwise decays of a group of chunks at a time (DECAY_BUDGET): one
+    chunk per group, three, or all of them give the same outputs and state to 1e-6 relative RMS (the
+    same per-chunk math; only the batch of each einsum differs)."""
+    q, k, v, g, beta, s0 = inputs(T=300)
+    per_chunk = 2 * 3 * 64 * 64 * 16 * 4  # the sequences side by side as heads, C = 64, K = 16, fp32
+    results = []
+    for chunks in (1, 3, 10 ** 6):
+        monkeypatch.setattr(naive, "DECAY_BUDGET", chunks * per_chunk)
+        results.append(naive.chunk_kda(q, k, v, g, beta, initial_state=s0, output_final_state=True,
+                                       use_qk_l2norm_in_kernel=True))
+    for o, s in results[:-1]:
+        assert rel_rms(results[-1][0], o) < 1e-6 and rel_rms(results[-1][1], s) < 1e-6
+
+
 def test_packed_varlen_equals_separate_sequences():
     lengths = [5, 70, 1, 33]
     q, k, v, g, beta, _ = inputs(B=1, T=sum(lengths))

@@ -173,3 +173,34 @@ def test_teacher_forced_logprobs_in_pieces_equal_the_whole_logits(monkeypatch):
             else:
                 assert "input_top" not in answer[i]
         start += len(prompt)
+
+
+def test_a_batch_that_runs_out_of_memory_is_answered_503_and_the_server_goes_on(monkeypatch):
+    """The app in process (FastAPI's test client, the real Batcher and EngineService on the tiny
+    model): an out-of-memory error in a batch is a capacity limit, answered 503 with what to change
+    (not a 500), and the next request is served."""
+    from pathlib import Path
+
+    from fastapi.testclient import TestClient
+
+    from glmkit.model import load_model
+    from glmkit.serve.server import EngineService, build_app
+
+    model = load_model(Path(__file__).resolve().parents[1] / "glmkit" / "assets" / "tiny_start")
+    service = EngineService(model, "kda=torch", max_batch=4, max_context=256)
+    real = service.run_prompt_only
+
+    def out_of_memory(items):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 32.00 GiB")
+
+    body = {"input_ids": [3, 4, 5, 6], "sampling_params": {"max_new_tokens": 0}, "return_logprob": True,
+            "logprob_start_len": 0}
+    with TestClient(build_app(service)) as client:
+        monkeypatch.setattr(service, "run_prompt_only", out_of_memory)
+        failed = client.post("/generate", json=body)
+        assert failed.status_code == 503
+        assert "did not fit the device's memory" in failed.json()["error"]["message"]
+        assert "--max-prefill-tokens" in failed.json()["error"]["message"]
+        monkeypatch.setattr(service, "run_prompt_only", real)
+        served = client.post("/generate", json=body)
+        assert served.status_code == 200 and len(served.json()["meta_info"]["input_token_logprobs"]) == 4

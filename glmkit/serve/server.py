@@ -120,6 +120,17 @@ def prompt_logprobs(head: torch.nn.Linear, hidden: torch.Tensor, prompts, temper
     return out
 
 
+OUT_OF_MEMORY_HINT = (" (the batch did not fit the device's memory: the server keeps serving; send fewer or "
+                      "shorter prompts together, or start it with a lower --max-prefill-tokens or "
+                      "--max-batch-size, or --kda-backend fla on a GPU)")
+
+
+def _failure_status(err: BaseException) -> int:
+    """An engine failure's HTTP status: 503 when the batch ran out of memory (a capacity limit the
+    client can retry under, not a bug), else 500."""
+    return 503 if isinstance(err, (torch.OutOfMemoryError, MemoryError)) else 500
+
+
 class EngineService:
     """The model, its engine, tokenizer and weight version; the methods that touch the model run on
     the worker thread."""
@@ -800,8 +811,10 @@ class Batcher:
                 self._after_step(slots)
         except Exception as err:  # noqa: BLE001 - every request of the batch learns why
             for it in batch:
-                self._push(it, {"error": {"message": f"generation failed: {type(err).__name__}: {err}",
-                                          "type": "internal_error", "code": 500, "retryable": False}})
+                status = _failure_status(err)
+                self._push(it, {"error": {"message": f"generation failed: {type(err).__name__}: {err}"
+                                          + (OUT_OF_MEMORY_HINT if status == 503 else ""),
+                                          "type": "internal_error", "code": status, "retryable": status == 503}})
                 self._push(it, None)
                 self._settle(it.future, error=err)
         finally:
@@ -970,8 +983,9 @@ def build_app(service: EngineService, window_s: float = 0.005, max_body: int = D
         except RequestError:
             raise
         except Exception as err:  # noqa: BLE001 - an engine failure is answered, and the server goes on
-            return JSONResponse({"error": {"message": f"generation failed: {type(err).__name__}: {err}"}},
-                                status_code=500)
+            status = _failure_status(err)
+            return JSONResponse({"error": {"message": f"generation failed: {type(err).__name__}: {err}"
+                                           + (OUT_OF_MEMORY_HINT if status == 503 else "")}}, status_code=status)
         return answers if gen.batched else answers[0]
 
     async def _stream_error(err: RequestError):

@@ -13,6 +13,8 @@ import torch.nn.functional as F
 
 from glmkit.kernels.fuse import fusable
 
+DECAY_BUDGET = 1 << 30  # bytes of pairwise in-chunk decays held at once by the chunked form
+
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(sum x^2 + eps), the form fla's kernels use (not max(||x||, eps))."""
@@ -90,23 +92,30 @@ def _chunk_one(q, k, v, g, beta, state, chunk_size):
     q, k, v, g = (x.view(n, chunk_size, H, -1).transpose(1, 2) for x in (q, k, v, g))
     beta = beta.view(n, chunk_size, H).transpose(1, 2)
     G = g.cumsum(-2)
-    diff = G[..., :, None, :] - G[..., None, :, :]  # [n, H, C(t), C(s), K]
     causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
-    decay = torch.where(causal[..., None], diff, torch.full_like(diff, float("-inf"))).exp()
     strict = causal.clone().fill_diagonal_(False)
-    A = torch.einsum("nhtc,nhsc,nhtsc->nhts", k, k, decay).masked_fill(~strict, 0.0)
-    Aqk = torch.einsum("nhtc,nhsc,nhtsc->nhts", q, k, decay)  # causal incl. diagonal via decay
     eye = torch.eye(chunk_size, dtype=q.dtype, device=q.device)
-    lhs = eye + beta[..., None] * A
-    u_v = torch.linalg.solve_triangular(lhs, beta[..., None] * v, upper=False, unitriangular=True)
-    w_k = torch.linalg.solve_triangular(lhs, beta[..., None] * k * G.exp(), upper=False, unitriangular=True)
     q_decay = q * G.exp()
     k_to_end = k * (G[..., -1:, :] - G).exp()
+    # the pairwise decays [chunks, H, C(t), C(s), K] of a group of chunks at a time (all of a long
+    # sequence at once would be tens of GiB); each chunk's math is the same whatever its group
+    group = max(1, DECAY_BUDGET // (H * chunk_size * chunk_size * K * 4))
     outs = []
-    for i in range(n):
-        u = u_v[i] - w_k[i] @ state
-        outs.append(q_decay[i] @ state + Aqk[i] @ u)
-        state = state * G[i, :, -1, :].exp()[..., None] + k_to_end[i].transpose(-1, -2) @ u
+    for g0 in range(0, n, group):
+        c = slice(g0, min(n, g0 + group))
+        diff = G[c, ..., :, None, :] - G[c, ..., None, :, :]
+        decay = torch.where(causal[..., None], diff, torch.full_like(diff, float("-inf"))).exp()
+        A = torch.einsum("nhtc,nhsc,nhtsc->nhts", k[c], k[c], decay).masked_fill(~strict, 0.0)
+        Aqk = torch.einsum("nhtc,nhsc,nhtsc->nhts", q[c], k[c], decay)  # causal incl. diagonal via decay
+        del diff, decay
+        lhs = eye + beta[c][..., None] * A
+        u_v = torch.linalg.solve_triangular(lhs, beta[c][..., None] * v[c], upper=False, unitriangular=True)
+        w_k = torch.linalg.solve_triangular(lhs, beta[c][..., None] * k[c] * G[c].exp(), upper=False,
+                                            unitriangular=True)
+        for j, i in enumerate(range(c.start, c.stop)):
+            u = u_v[j] - w_k[j] @ state
+            outs.append(q_decay[i] @ state + Aqk[j] @ u)
+            state = state * G[i, :, -1, :].exp()[..., None] + k_to_end[i].transpose(-1, -2) @ u
     o = torch.stack(outs).transpose(1, 2).reshape(n * chunk_size, H, -1)[:T]
     return o, state
 
