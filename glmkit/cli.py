@@ -992,43 +992,67 @@ def _values_that_look_like_options(argv: list) -> list:
 def main(argv=None) -> int:
     import warnings
 
-    args = build_parser().parse_args(_values_that_look_like_options(sys.argv[1:] if argv is None else list(argv)))
-    from glmkit.checkpoint import CheckpointError
-
-    default_show, warnings.showwarning = warnings.showwarning, _glmkit_warnings(args.command, warnings.showwarning)
     try:
+        args = build_parser().parse_args(_values_that_look_like_options(sys.argv[1:] if argv is None else list(argv)))
+    except KeyboardInterrupt:
+        print("glmkit: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    default_show = warnings.showwarning
+    try:
+        warnings.showwarning = _glmkit_warnings(args.command, default_show)
         _require_device(args)
         return args.func(args)
+    except Exception as err:  # noqa: BLE001 - the error contract: each kind of failure its exit code
+        return _answer_failure(args.command, err)
     except KeyboardInterrupt:
         print(f"glmkit {args.command}: interrupted (outputs are renamed into place only when complete: nothing "
               f"half-written is left as if it were whole)", file=sys.stderr)
         return EXIT_INTERRUPTED
-    except OSError as err:
-        if _environment_error(err):
-            where = f": {err.filename}" if getattr(err, "filename", None) else ""
-            print(f"glmkit {args.command}: environment error: {err.strerror or err}{where} (nothing half-written is "
-                  f"left in place)", file=sys.stderr)
-            return EXIT_ENVIRONMENT
-        if isinstance(err, (FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError,
-                            ConnectionError)):
-            print(_error_text(args.command, err), file=sys.stderr)
-            return EXIT_BAD_INPUT
-        return _internal_error(args.command, err)
-    except (CheckpointError, ValueError, ImportError) as err:
-        if isinstance(err, ValueError) and not isinstance(err, CheckpointError) and not _raised_by_glmkit(err):
-            return _internal_error(args.command, err)  # a library's ValueError: not the user's input
-        print(_error_text(args.command, err), file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except Exception as err:  # noqa: BLE001 - the error contract: exit 3, the traceback kept in a file
-        return _internal_error(args.command, err)
     finally:
         warnings.showwarning = default_show
+
+
+def _answer_failure(command: str, err: Exception) -> int:
+    """What the user sees of a failed command: one line and its exit code (see the contract below)."""
+    import errno
+
+    from glmkit.checkpoint import CheckpointError
+
+    if isinstance(err, BrokenPipeError):  # the reader of our output went away (`glmkit ... | head`)
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except OSError:
+            pass
+        return EXIT_BROKEN_PIPE
+    if isinstance(err, OSError):
+        if _environment_error(err):
+            where = f": {err.filename}" if getattr(err, "filename", None) else ""
+            print(f"glmkit {command}: environment error: {err.strerror or err}{where} (nothing half-written is "
+                  f"left in place)", file=sys.stderr)
+            return EXIT_ENVIRONMENT
+        if err.errno == errno.ENAMETOOLONG:
+            name = str(getattr(err, "filename", "") or "")
+            print(f"glmkit {command}: error: a path is too long for the file system "
+                  f"({len(os.path.basename(name))} characters in its last part): {name[:80]}...", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        if isinstance(err, (FileNotFoundError, FileExistsError, NotADirectoryError, IsADirectoryError,
+                            ConnectionError)):
+            print(_error_text(command, err), file=sys.stderr)
+            return EXIT_BAD_INPUT
+        return _internal_error(command, err)
+    if isinstance(err, (CheckpointError, ValueError, ImportError)):
+        if isinstance(err, ValueError) and not isinstance(err, CheckpointError) and not _raised_by_glmkit(err):
+            return _internal_error(command, err)  # a library's ValueError: not the user's input
+        print(_error_text(command, err), file=sys.stderr)
+        return EXIT_BAD_INPUT
+    return _internal_error(command, err)
 
 
 # The CLI's error contract: 0 done, 1 a run that fails its check, 2 bad input (one line naming it),
 # 3 an internal error (traceback saved to a file), 4 the environment (disk full, permission denied,
 # read-only), 130 interrupted.
 EXIT_CHECK_FAILED, EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_ENVIRONMENT, EXIT_INTERRUPTED = 1, 2, 3, 4, 130
+EXIT_BROKEN_PIPE = 141  # as a shell reports a process that SIGPIPE ended
 
 
 def _environment_error(err: OSError) -> bool:
@@ -1074,15 +1098,21 @@ def _internal_error(command: str, err: BaseException) -> int:
     file, never one that exists or a link)."""
     import traceback
 
+    import tempfile
+
     text = "".join(traceback.format_exception(err))
-    try:
-        path = _error_folder() / f"glmkit-{command}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.txt"
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        saved = f"traceback saved to {path}"
-    except OSError:
-        saved = "the traceback could not be saved:\n" + text
+    name = f"glmkit-{command}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.txt"
+    saved = "the traceback could not be saved (no writable temporary folder)"
+    for folder in (_error_folder, lambda: Path(tempfile.mkdtemp(prefix="glmkit-errors-"))):  # the 2nd: made private, new
+        try:
+            path = folder() / name
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            saved = f"traceback saved to {path}"
+            break
+        except OSError:
+            continue
     first = (str(err).splitlines() or [""])[0][:300]
     print(f"glmkit {command}: internal error: {type(err).__name__}: {first} ({saved}; please report it)",
           file=sys.stderr)

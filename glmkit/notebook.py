@@ -35,7 +35,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from glmkit.report import divergence_text, versions, write_atomic
+from glmkit.report import divergence_text, versions
 from glmkit.rl.health import UNDECIDED
 
 KERNEL = "python3"   # ipykernel's spec; jupyter_client runs it with this interpreter
@@ -298,21 +298,55 @@ def run_notebook(notebook, out_dir, parameters: dict, name: str | None = None) -
     """Execute `notebook` with `parameters` (plus out_dir) and write {out_dir}/{name}.html; returns its path.
     On an execution error the executed notebook is kept as {name}.failed.ipynb and the error re-raised.
     The report's name in `out_dir` is locked while it runs (a second run of it there is refused)."""
-    notebook, out_dir = Path(notebook).resolve(), Path(out_dir).resolve()
+    from glmkit.outputs import RunLock, check_dir_out
+
+    notebook, out_dir = Path(notebook).resolve(), Path(out_dir)
     if not notebook.is_file():
         raise FileNotFoundError(f"{notebook}: no such notebook")
+    _check_notebook(notebook)
     name = name or notebook.stem
+    if not name or name.startswith(".") or "/" in name or "\\" in name or "\0" in name:
+        raise ValueError(f"--name {name!r}: a report's name is a plain file name (no folder, not hidden)")
     if out_dir / f"{name}.ipynb" == notebook:
         raise ValueError(f"{notebook}: the executed copy would overwrite the notebook; choose another out_dir or name")
+    out_dir = check_dir_out(out_dir, "--out", whole=False)
+    made = not out_dir.exists()
     out_dir.mkdir(parents=True, exist_ok=True)
-    from glmkit.outputs import RunLock
+    try:
+        with RunLock(out_dir / name, "--out"):  # one run of this report in this folder at a time
+            for suffix in REPORT_FILES:  # replaced only when an earlier report run wrote them
+                _claim(out_dir / f"{name}{suffix}", notebook)
+            return _run_locked(notebook, out_dir, parameters, name)
+    finally:
+        if made and not any(out_dir.iterdir()):  # a run that wrote nothing leaves no empty folder behind
+            out_dir.rmdir()
 
-    with RunLock(out_dir / name, "--out"):  # one run of this report in this folder at a time
-        return _run_locked(notebook, out_dir, parameters, name)
+
+REPORT_FILES = (".html", ".ipynb", ".failed.ipynb")
+
+
+def _claim(path: Path, notebook: Path) -> None:
+    from glmkit.outputs import claim_file
+
+    claim_file(path, "--out", "report file", {"notebook": str(notebook)})
+
+
+def _check_notebook(notebook: Path) -> None:
+    """A notebook papermill can run: JSON in nbformat 4's schema (refused by name before a kernel starts)."""
+    import nbformat
+
+    try:
+        nb = nbformat.read(str(notebook), as_version=4)
+        nbformat.validate(nb)
+    except Exception as err:  # noqa: BLE001 - any reader or schema failure is the input's
+        first = (str(err).splitlines() or [type(err).__name__])[0][:200]
+        raise ValueError(f"{notebook}: not a readable Jupyter notebook ({type(err).__name__}: {first})") from None
 
 
 def _run_locked(notebook: Path, out_dir: Path, parameters: dict, name: str) -> Path:
     import papermill
+
+    from glmkit.outputs import file_marker, mark_file, write_marked
 
     parameters = dict(parameters, out_dir=str(out_dir))
     running = out_dir / f".{name}.running.ipynb"
@@ -324,15 +358,19 @@ def _run_locked(notebook: Path, out_dir: Path, parameters: dict, name: str) -> P
         if running.exists():
             failed = out_dir / f"{name}.failed.ipynb"
             os.replace(running, failed)
+            mark_file(failed, "report file")
             err.add_note(f"executed notebook saved to {failed}")
         raise
     seconds = time.time() - started
     executed = out_dir / f"{name}.ipynb"
     os.replace(running, executed)
-    (out_dir / f"{name}.failed.ipynb").unlink(missing_ok=True)  # stale: this run succeeded
+    mark_file(executed, "report file")
+    stale = out_dir / f"{name}.failed.ipynb"  # this run succeeded
+    stale.unlink(missing_ok=True)
+    file_marker(stale).unlink(missing_ok=True)
     verdict, reasons = read_verdict(out_dir, started, with_reasons=True)
     header = header_html(name, verdict, parameters, notebook_defaults(notebook), started, seconds, reasons)
-    return write_atomic(out_dir / f"{name}.html", notebook_html(executed, header))
+    return write_marked(out_dir / f"{name}.html", notebook_html(executed, header), "report file")
 
 
 # ---------------------------------------------------------------- command line

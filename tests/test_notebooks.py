@@ -65,9 +65,11 @@ def test_layer_parity_passes_on_tiny(passing_run):
     assert re.search(r"mean \|logp_reference - logp_train\| = [0-9.e+-]+</div>", text)
     assert re.search(rf"mean \|logp_train - logp_rollout\| \(the recipe(?:'|&#x27;|&#39;)s {RECIPE_METRIC}\) = ", text)
     assert "first divergence" not in report_header(text)   # a pass: no failure listed under the banner
-    # what stays next to the report: the executed notebook, and no temporary or failure files
+    # what stays next to the report: the executed notebook, the report files' ownership markers, and no
+    # temporary or failure files
     assert (out / "01_layer_parity.ipynb").is_file()
-    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".") or "failed" in p.name) == []
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".") or "failed" in p.name) == \
+        [".01_layer_parity.html.glmkit-output", ".01_layer_parity.ipynb.glmkit-output"]
 
 
 def test_layer_parity_fails_against_another_checkpoint(tmp_path, capsys):
@@ -114,7 +116,7 @@ def test_failing_notebook_keeps_the_executed_copy_and_no_html(tmp_path, capsys):
     assert "boom: hi" in err and "broken.failed.ipynb" in err
     failed = nbformat.read(str(out / "broken.failed.ipynb"), as_version=4)
     assert any(o.get("ename") == "RuntimeError" for c in failed.cells for o in c.get("outputs", []))
-    assert sorted(p.name for p in out.iterdir()) == ["broken.failed.ipynb"]
+    assert sorted(p.name for p in out.iterdir()) == [".broken.failed.ipynb.glmkit-output", "broken.failed.ipynb"]
     from papermill.exceptions import PapermillExecutionError
 
     with pytest.raises(PapermillExecutionError):

@@ -117,25 +117,33 @@ def test_the_error_contract(tmp_path):
     assert denied.returncode in (3, 4) and "Traceback" not in denied.stderr
     interrupted = failing_check("raise KeyboardInterrupt", tmp_path)
     assert interrupted.returncode == 130 and "interrupted" in interrupted.stderr
+    closed = failing_check("raise BrokenPipeError(32, 'Broken pipe')", tmp_path)  # `glmkit ... | head`
+    assert closed.returncode == 141 and closed.stderr == ""
+    long_name = failing_check("open('x' * 300, 'w')", tmp_path)
+    assert long_name.returncode == 2 and "a path is too long for the file system (300 characters" in long_name.stderr
     refused = glmkit("train", "--lr", "-1", "--metrics-out", tmp_path / "m.jsonl")  # glmkit's own check
     assert refused.returncode == 2 and refused.stderr.strip() == "glmkit train: error: --lr must be > 0, got -1.0"
 
 
 def test_a_traceback_is_never_written_through_a_link_or_into_a_shared_folder(tmp_path):
     """The traceback folder is this user's own (0700): a symlink or an open folder planted at its name
-    is not written through (the traceback goes to the terminal instead), and a file is always new."""
+    is not written through (the traceback goes to a new private folder instead, never to the
+    terminal), and a file is always new."""
     folder = tmp_path / f"glmkit-errors-{os.getuid()}"
     victim = tmp_path / "victim"
     victim.mkdir()
     folder.symlink_to(victim)
     planted = failing_check("raise KeyError('bug')", tmp_path)
-    assert planted.returncode == 3 and "could not be saved" in planted.stderr and "Traceback" in planted.stderr
+    assert planted.returncode == 3 and "Traceback" not in planted.stderr
+    elsewhere = Path(planted.stderr.split("traceback saved to ")[1].split(";")[0])
+    assert elsewhere.parent.name.startswith("glmkit-errors-") and elsewhere.parent != folder
+    assert oct(elsewhere.parent.stat().st_mode & 0o777) == "0o700" and "KeyError" in elsewhere.read_text()
     assert list(victim.iterdir()) == []
     folder.unlink()
     folder.mkdir(mode=0o777)
     folder.chmod(0o777)
     open_folder = failing_check("raise KeyError('bug')", tmp_path)
-    assert "could not be saved" in open_folder.stderr and list(folder.iterdir()) == []
+    assert "Traceback" not in open_folder.stderr and list(folder.iterdir()) == []
     folder.chmod(0o700)
     private = failing_check("raise KeyError('bug')", tmp_path)
     saved = Path(private.stderr.split("traceback saved to ")[1].split(";")[0])

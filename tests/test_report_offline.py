@@ -420,3 +420,27 @@ def test_parity_verdicts_give_the_first_divergence_of_each_failed_comparison():
     assert len(parity_reasons(same)) == 1            # train vs rollout was the comparison itself
     assert parity_reasons({"verdict": "pass", "first_divergence": None, "train_rollout": {}}) == []
     assert verdict_reasons({"verdict": "fail", "reasons": ["x"]}) == ["x"]
+
+
+def test_a_report_replaces_only_its_own_files_and_refuses_bad_notebooks_and_names(tmp_path):
+    """Someone's file where the report would go is refused before the notebook runs (exit 2, kept);
+    a notebook that is not one, or a --name with a folder in it, is refused by name (exit 2) and
+    leaves no empty folder; a report's own files are replaced by the next run."""
+    page = notebook(tmp_path / "mini.ipynb", "print('hello')")
+    out = tmp_path / "report"
+    out.mkdir()
+    (out / "mini.html").write_text("<p>my notes</p>")
+    refused = glmkit_report(page, "--out", out)
+    assert refused.returncode == 2 and "not a report file glmkit wrote" in refused.stderr
+    assert (out / "mini.html").read_text() == "<p>my notes</p>" and not (out / "mini.ipynb").exists()
+    (out / "mini.html").unlink()
+    assert glmkit_report(page, "--out", out).returncode == 0
+    again = glmkit_report(page, "--out", out)                  # marked by the first run: replaced
+    assert again.returncode == 0 and "hello" in (out / "mini.html").read_text()
+    broken = tmp_path / "broken.ipynb"
+    broken.write_text('{"cells": [')
+    bad = glmkit_report(broken, "--out", tmp_path / "new")
+    assert bad.returncode == 2 and "not a readable Jupyter notebook" in bad.stderr and not (tmp_path / "new").exists()
+    named = glmkit_report(page, "--out", tmp_path / "new", "--name", "../escape")
+    assert named.returncode == 2 and "a plain file name" in named.stderr and not (tmp_path / "escape.html").exists()
+    assert not (tmp_path / "new").exists()
