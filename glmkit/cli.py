@@ -366,8 +366,9 @@ def cmd_ckpt_synth(args) -> int:
     from glmkit.checkpoint import synth_checkpoint
     from glmkit.outputs import check_dir_out
 
-    from glmkit.outputs import RunLock
+    from glmkit.outputs import RunLock, refuse_package_paths
 
+    refuse_package_paths(args.out, "--out")
     check_dir_out(args.out, "--out", args.overwrite)
     with RunLock(args.out, "--out"):
         out = synth_checkpoint(args.variant, args.seed, args.out, dtype=_dtype(args.dtype), overwrite=args.overwrite,
@@ -381,8 +382,9 @@ def cmd_ckpt_slice(args) -> int:
     from glmkit.outputs import check_dir_out
 
     source = open_checkpoint(args.src)  # headers only: a bad --src is named first
-    from glmkit.outputs import RunLock, refuse_input_as_output
+    from glmkit.outputs import RunLock, refuse_input_as_output, refuse_package_paths
 
+    refuse_package_paths(args.out, "--out")
     refuse_input_as_output(args.out, "--out", {"--src": args.src})  # an output never replaces its own input
     check_dir_out(args.out, "--out", args.overwrite)
     with RunLock(args.out, "--out"):

@@ -44,6 +44,33 @@ def is_glmkit_output(folder: Path) -> bool:
     return (Path(folder) / MARKER).is_file()
 
 
+def record_entries(folder: Path) -> None:
+    """Add the names of what a finished output directory holds to its marker: --overwrite later
+    removes it only if nothing else was put there since."""
+    names = sorted(p.name for p in Path(folder).iterdir() if p.name != MARKER)
+    with open(Path(folder) / MARKER, "a") as f:
+        f.write("".join(f"entry: {name}\n" for name in names))
+
+
+def foreign_entries(folder: Path) -> list[str]:
+    """What a marked directory holds that glmkit did not record writing ([] for a marker of a glmkit
+    version that recorded nothing)."""
+    lines = (Path(folder) / MARKER).read_text().splitlines()
+    recorded = {line[len("entry: "):] for line in lines if line.startswith("entry: ")}
+    if not recorded:
+        return []
+    return sorted(p.name for p in Path(folder).iterdir() if p.name != MARKER and p.name not in recorded)
+
+
+def refuse_package_paths(path, flag: str) -> None:
+    """glmkit's own installed files (its shipped checkpoint and data) are never an output."""
+    package = Path(__file__).resolve().parent
+    target = Path(os.path.abspath(path))
+    if target == package or package in target.parents or package in target.resolve().parents:
+        raise ValueError(f"{flag} {path}: inside glmkit's own package ({package}); outputs never go there "
+                         f"(copy what you need elsewhere)")
+
+
 def file_marker(path: Path) -> Path:
     """A file glmkit writes (a metrics stream) is marked by `.NAME.glmkit-output` beside it."""
     path = Path(path)
@@ -165,6 +192,11 @@ def check_dir_out(path, flag: str | None = None, overwrite: bool | None = False,
         raise ValueError(f"{_prefix(flag, path)}: --overwrite replaces only a directory glmkit wrote (one with a "
                          f"{MARKER} file), and this one has none (nor do those of glmkit versions before the marker); "
                          f"remove it yourself or choose another directory")
+    foreign = foreign_entries(target)
+    if foreign:
+        raise ValueError(f"{_prefix(flag, path)}: holds {', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''} "
+                         f"that glmkit did not write there; --overwrite would delete them: move them out or choose "
+                         f"another directory")
     return target
 
 
@@ -213,7 +245,10 @@ def staging_dir(target: Path, what: str) -> Path:
 
 
 def move_into_place(staged: Path, target: Path) -> None:
-    """Swap the finished directory in; an old target is moved aside first and deleted last."""
+    """Swap the finished directory in (its marker then lists what it holds); an old target is moved
+    aside first and deleted last."""
+    if is_glmkit_output(staged):
+        record_entries(staged)
     old = None
     if target.exists() or target.is_symlink():
         if target.is_dir() and not target.is_symlink() and not any(target.iterdir()):

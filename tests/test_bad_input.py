@@ -15,17 +15,22 @@ import socket
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+import glmkit
 from glmkit.checkpoint import TEXT_PREFIX, open_checkpoint, save_checkpoint, synth_checkpoint, synth_tensor
 from glmkit.outputs import MARKER
 
 UP_PROJ = TEXT_PREFIX + "layers.0.mlp.up_proj.weight"  # [128, 64] in the tiny variant
 DOWN_PROJ = TEXT_PREFIX + "layers.1.mlp.down_proj.weight"  # [64, 128]
 CASES = {}
+
+
+PACKAGE = Path(glmkit.__file__).resolve().parent
 
 
 def case(setup):
@@ -464,6 +469,25 @@ def test_overwrite_keeps_a_directory_of_user_files(runs, tiny_ckpt):
     assert os.listdir(folder / "mine") == ["notes.txt"] and (folder / "mine" / "notes.txt").read_text() == "precious"
     assert sorted(os.listdir(folder / "theirs")) == sorted(os.listdir(tiny_ckpt))
     assert len(open_checkpoint(folder / "theirs").text_keys()) == 132
+
+
+@case
+def overwrite_added(folder, tiny, sharded):
+    synth_checkpoint("tiny", 0, folder / "ck", progress=False)
+    (folder / "ck" / "NOTES.md").write_text("my notes")  # the user's file, put into glmkit's checkpoint later
+    return [["ckpt", "synth", "--variant", "tiny", "--seed", "1", "--out", folder / "ck", "--overwrite"],
+            ["ckpt", "synth", "--variant", "tiny", "--out", PACKAGE / "assets" / "not_an_output"]]
+
+
+def test_overwrite_keeps_what_a_user_added_and_never_touches_the_package(runs):
+    """A checkpoint glmkit wrote lists what it held in its marker: a file added since is named and the
+    --overwrite refused (nothing deleted); glmkit's own shipped checkpoint is never an output."""
+    folder, (added, package) = runs("overwrite_added")
+    assert added.returncode == 2 and "holds NOTES.md that glmkit did not write there" in error(added)
+    assert (folder / "ck" / "NOTES.md").read_text() == "my notes"
+    assert torch.equal(open_checkpoint(folder / "ck").get(UP_PROJ), synth_tensor(UP_PROJ, (128, 64), seed=0))
+    assert package.returncode == 2 and "inside glmkit's own package" in error(package)
+    assert not (PACKAGE / "assets" / "not_an_output").exists()
 
 
 @case

@@ -23,7 +23,8 @@ from tqdm import tqdm
 
 from glmkit.model.rollout import GREEDY_BELOW
 from glmkit.outputs import (MARKER, RunLock, check_dir_out, check_file_out, is_glmkit_file, is_glmkit_output, mark_file,
-                            refuse_input_as_output, refuse_replacing, staging_dir)
+                            refuse_input_as_output, refuse_package_paths, refuse_replacing,
+                            staging_dir)
 from glmkit.rl import grpo
 from glmkit.rl.lora import DEFAULT_EXCLUDE
 
@@ -226,6 +227,9 @@ def _claim_outputs(cfg) -> list[str]:
     """Refuse to start over an earlier run's metrics or checkpoints unless told to; with --overwrite,
     clear what glmkit wrote there (the metrics file, iter_* and the latest marker). -> notes to print."""
     metrics = check_file_out(cfg.metrics_out, "--metrics-out")
+    refuse_package_paths(metrics, "--metrics-out")
+    if cfg.save:
+        refuse_package_paths(cfg.save, "--save")
     refuse_input_as_output(metrics, "--metrics-out", _inputs(cfg))
     save = Path(cfg.save) if cfg.save else None
     if save is not None:
