@@ -38,15 +38,31 @@ def _backend_arguments(p):
                    help="fused elementwise kernels (torch.compile): auto (on CUDA), on, off (eager reference)")
 
 
-def _int_at_least(least: int, name: str):
-    """An argparse type: an int >= `least` (`name` is what argparse calls a value it cannot parse)."""
+def _int_at_least(least: int, name: str, most: int | None = None):
+    """An argparse type: an int >= `least` (and <= `most`); `name` is what argparse calls a value it
+    cannot parse."""
     def parse(text: str) -> int:
         value = int(text)
-        if value < least:
-            raise argparse.ArgumentTypeError(f"must be >= {least}, got {value}")
+        if value < least or (most is not None and value > most):
+            bound = f"in {least}..{most}" if most is not None else f">= {least}"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
         return value
     parse.__name__ = name
     return parse
+
+
+def _finite(text: str) -> float:
+    import math
+
+    value = float(text)
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return value
+
+
+_finite.__name__ = "finite number"
+MAX_LORA_RANK = 1 << 16  # far above any projection's smaller side; past it the adapter sizes overflow
+MAX_DECODE_STEPS = 1 << 16
 
 
 _positive = _int_at_least(1, "positive integer")
@@ -650,7 +666,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", help="HF checkpoint directory (default: synthesise --variant)")
     p.add_argument("--variant", default="tiny", choices=list(VARIANTS))
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--decode-steps", type=int, default=16)
+    p.add_argument("--decode-steps", type=_int_at_least(2, "integer", MAX_DECODE_STEPS), default=16)
     p.add_argument("--dtype", default="float32", choices=list(DTYPES))
     p.add_argument("--device", default="cpu", choices=DEVICES)
     _backend_arguments(p)
@@ -734,9 +750,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--use-rollout-indexer-replay", action="store_true",
                        help="DSA top-k replay: the trainer attends over the positions the rollout selected")
         # glmkit lora train: rank >= 1 (rank 0 would train every weight); glmkit train: 0 = full weights
-        p.add_argument("--lora-rank", type=_positive if lora_required else _non_negative,
+        p.add_argument("--lora-rank", type=_int_at_least(1 if lora_required else 0, "integer", MAX_LORA_RANK),
                        default=8 if lora_required else 0)
-        p.add_argument("--lora-alpha", type=float, default=16.0)
+        p.add_argument("--lora-alpha", type=_finite, default=16.0)
         p.add_argument("--target-modules", default="attn,mlp")
         p.add_argument("--exclude-modules", default=DEFAULT_EXCLUDE)
         p.add_argument("--device", default="cpu", choices=DEVICES)

@@ -411,7 +411,7 @@ def test_messages_name_flags_not_python_arguments(runs):
                              f"--overwrite to replace it")
     assert error(seq_len) == ("glmkit parity: error: --batch must be >= 1 and --seq-len >= 2, got --batch 2, "
                               "--seq-len 1")
-    assert error(steps) == "glmkit check: error: --decode-steps must be >= 2, got 0"
+    assert error(steps) == "glmkit check: error: argument --decode-steps: must be in 2..65536, got 0"
 
 
 # ----------------------------------------------------------------------------- safety

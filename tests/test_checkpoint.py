@@ -6,6 +6,7 @@ sys.modules.setdefault("fla", None)  # on a CPU machine fla would route KDA to T
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -474,3 +475,21 @@ def test_tied_embeddings_load_compute_the_reference_and_save_once(tmp_path):
     again = load_model(saved)
     assert again.lm_head.weight is again.embed_tokens.weight
     assert torch.equal(again.embed_tokens.weight, model.embed_tokens.weight)
+
+
+@pytest.mark.parametrize("field, value, reason", [
+    ("num_experts_per_tok", 100, "num_experts_per_tok 100 is larger than n_routed_experts 8"),
+    ("index_topk", 0, "index_topk must be a positive integer, got 0"),
+    ("vocab_size", -5, "vocab_size must be a positive integer, got -5"),
+])
+def test_a_config_no_model_can_run_is_refused_by_name(tmp_path, field, value, reason):
+    """transformers' config accepts these; the checkpoint reader names the field (exit 2 in the CLI),
+    where the model would fail later with an indexing error."""
+    import json
+
+    from glmkit.checkpoint.hf import text_config_from_json
+
+    raw = json.loads((Path(__file__).resolve().parents[1] / "glmkit" / "assets" / "tiny_start" / "config.json").read_text())
+    (raw["text_config"] if "text_config" in raw else raw)[field] = value
+    with pytest.raises(ValueError, match=re.escape(reason)):
+        text_config_from_json(raw, tmp_path / "config.json")

@@ -229,3 +229,16 @@ def test_dapo_compares_with_the_label_as_an_integer_string():
     assert dapo("Answer: 5", "5.0")["acc"] and dapo("Answer: 5", 5)["acc"]
     assert not dapo("Answer: 5.5", "5.5")["acc"]  # str(int(float("5.5"))) is "5"
     assert dapo("Answer: 5", "5.5")["acc"]
+
+
+def test_the_reward_command_reads_one_bounded_response_from_stdin():
+    """`glmkit reward` scores what stdin holds; a stream past 1 MiB (`< /dev/zero`) is refused by name
+    (exit 2) instead of read until memory runs out."""
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "glmkit", "reward", "--rm-type", "math", "--label", "2"]
+    scored = subprocess.run(command, input=b"so the answer is \\boxed{2}", capture_output=True, timeout=120)
+    assert scored.returncode == 0 and b'"score": 1.0' in scored.stdout
+    endless = subprocess.run(command, stdin=open("/dev/zero", "rb"), capture_output=True, timeout=120)
+    assert endless.returncode == 2 and b"longer than 1048576 bytes" in endless.stderr

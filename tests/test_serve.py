@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -467,6 +468,10 @@ def test_killed_server_gives_a_clear_error_and_a_retry_after_restart_works():
 def test_client_refuses_bad_settings():
     with pytest.raises(ValueError, match="must start with http:// or https://"):
         SGLangClient("127.0.0.1:30000")
+    for url, reason in (("http://127.0.0.1:99999", "Port out of range"), ("http://[::1", "Invalid IPv6 URL"),
+                        ("http://", "names no host")):
+        with pytest.raises(ValueError, match=re.escape(reason)):
+            SGLangClient(url)
     with pytest.raises(ValueError, match="weight update mode 'ipc'; allowed: tensor, disk, distributed"):
         SGLangRollout("http://127.0.0.1:1", mode="ipc")
     with pytest.raises(ValueError, match="needs --weight-update-master HOST:PORT, got 'nowhere'"):

@@ -118,9 +118,26 @@ def text_config_from_json(raw: dict, file: Path) -> Glm5NextTextConfig:
         fields = {k: v for k, v in raw.items() if k not in _COMPOSITE_ONLY_KEYS}
     fields.pop("model_type", None)
     try:
-        return Glm5NextTextConfig.from_dict(fields)
+        config = Glm5NextTextConfig.from_dict(fields)
     except Exception as e:  # strict-dataclass and architecture validation errors
         raise CheckpointError(f"{file}: invalid glm5_next text config: {e}") from e
+    _check_sizes(config, file)
+    return config
+
+
+def _check_sizes(config, file: Path) -> None:
+    """Relations between sizes that transformers' config accepts but no model can run with."""
+    pairs = [("num_experts_per_tok", "n_routed_experts"), ("index_topk", None), ("index_kpool", None),
+             ("num_hidden_layers", None), ("vocab_size", None), ("hidden_size", None)]
+    for name, bound in pairs:
+        value = getattr(config, name, None)
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise CheckpointError(f"{file}: {name} must be a positive integer, got {value!r}")
+        limit = getattr(config, bound, None) if bound else None
+        if isinstance(limit, int) and value > limit:
+            raise CheckpointError(f"{file}: {name} {value} is larger than {bound} {limit}")
 
 
 def read_header(file: Path) -> dict[str, TensorInfo]:

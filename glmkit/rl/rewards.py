@@ -247,9 +247,17 @@ def _add_reward_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--label", required=True, help="the reference answer")
 
 
+MAX_RESPONSE_BYTES = 1 << 20  # one response on stdin (a generation is far shorter)
+
+
 def cmd_reward(args) -> int:
-    """Score one response read from stdin; print one JSON line."""
-    print(json.dumps(score(args.rm_type, sys.stdin.read(), args.label)))
+    """Score one response read from stdin (at most MAX_RESPONSE_BYTES); print one JSON line."""
+    stream = getattr(sys.stdin, "buffer", None)  # a text stream without one (a test's StringIO) reads as text
+    data = stream.read(MAX_RESPONSE_BYTES + 1) if stream is not None else sys.stdin.read(MAX_RESPONSE_BYTES + 1)
+    if len(data) > MAX_RESPONSE_BYTES:
+        raise ValueError(f"stdin: the response is longer than {MAX_RESPONSE_BYTES} bytes; give one response")
+    text = data.decode("utf-8", errors="replace") if isinstance(data, bytes) else data
+    print(json.dumps(score(args.rm_type, text, args.label)))
     return 0
 
 

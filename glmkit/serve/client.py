@@ -22,10 +22,26 @@ class SGLangError(ConnectionError):
     pass
 
 
+def check_server_url(url: str) -> None:
+    """An http(s) URL with a host and, if given, a port in 1..65535; anything else is refused by name."""
+    from urllib.parse import urlsplit
+
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+        raise ValueError(f"server URL must start with http:// or https://, got {url!r}")
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as err:
+        raise ValueError(f"server URL {url!r} is malformed ({err}); expected http://HOST:PORT") from None
+    if not parts.hostname:
+        raise ValueError(f"server URL {url!r} names no host; expected http://HOST:PORT")
+    if port is not None and not 1 <= port <= 65535:
+        raise ValueError(f"server URL {url!r}: port {port} outside 1..65535")
+
+
 class SGLangClient:
     def __init__(self, url: str, timeout_s: float = 600.0, retries: int = 3, backoff_s: float = 0.5):
-        if not url.startswith(("http://", "https://")):
-            raise ValueError(f"server URL must start with http:// or https://, got {url!r}")
+        check_server_url(url)
         if retries < 0 or backoff_s < 0 or timeout_s <= 0:
             raise ValueError(f"need retries >= 0, backoff_s >= 0 and timeout_s > 0; got {retries}, {backoff_s}, "
                              f"{timeout_s}")
