@@ -87,8 +87,9 @@ def _dtype(name: str):
 
 
 def cmd_check(args) -> int:
-    from glmkit.outputs import RunLock
+    from glmkit.outputs import RunLock, check_dir_out
 
+    check_dir_out(args.out, "--out", whole=False)  # a file there is named before the lock would need the folder
     with RunLock(Path(args.out) / "check", "--out"):  # one check writing into this folder at a time
         return _check(args)
 
@@ -125,7 +126,8 @@ def _parity_table(result) -> str:
     for layer in layers:
         sites = [s for s in result.sites if s.layer == layer]
         values = [s for s in sites if s.kind == "values"]
-        worst = max(values, key=lambda s: s.rel_rms) if values else None
+        # a site holding NaN / Inf is the worst, and shows as such (its rel RMS covers the finite part only)
+        worst = max(values, key=lambda s: (bool(s.nan or s.inf), s.rel_rms)) if values else None
         index = {s.site: s for s in sites if s.kind == "indices"}
 
         def kinds(site):
@@ -134,8 +136,9 @@ def _parity_table(result) -> str:
 
         status = "DIVERGED" if any(s.diverged for s in sites) else \
             ("ok (ties)" if any(s.tied for s in index.values()) else "ok")
+        rel = ("non-finite" if worst.nan or worst.inf else f"{worst.rel_rms:9.2e}") if worst else f"{0:9.2e}"
         lines.append(f"{'final' if layer is None else layer:>5}  {worst.site if worst else '':24s} "
-                     f"{worst.rel_rms if worst else 0:9.2e}  {worst.max_abs if worst else 0:10.2e}  "
+                     f"{rel:>9}  {worst.max_abs if worst else 0:10.2e}  "
                      f"{kinds('indexer_topk'):>26}  {kinds('router_experts'):>28}  {status}")
     return "\n".join(lines)
 
@@ -242,7 +245,8 @@ def _parity(args) -> int:
     first = result.first_divergence
     print("verdict: pass" if first is None else
           f"verdict: fail, first divergence at layer {first.layer}, site {first.site} "
-          f"(rel RMS {first.rel_rms}, identical {first.identical})")
+          + (f"({first.nan} NaN and {first.inf} Inf values)" if getattr(first, "nan", 0) or getattr(first, "inf", 0)
+             else f"(rel RMS {first.rel_rms}, identical {first.identical})"))
     if result.departure is not None:
         print(f"departure: {result.departure.text}")
     if result.gradients is not None or result.parameter_gradients is not None:

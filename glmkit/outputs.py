@@ -148,16 +148,25 @@ def _prefix(flag: str | None, path) -> str:
 
 
 def _check_ancestors(path: Path, flag: str | None) -> None:
-    """The nearest existing ancestor of `path` must be a directory (it will be created below it)."""
-    for parent in path.parents:
+    """The nearest existing ancestor of `path` must be a directory this process may write in (checked
+    before the work, not after it)."""
+    import errno
+
+    if str(path) == "":
+        raise ValueError(f"{flag or 'the output path'} is empty; name a file or directory")
+    for parent in Path(os.path.abspath(path)).parents:
         if parent.exists():
             if not parent.is_dir():
                 raise ValueError(f"{_prefix(flag, path)}: {parent} is not a directory")
+            if not os.access(parent, os.W_OK | os.X_OK):
+                raise PermissionError(errno.EACCES, f"{flag or 'output'}: cannot write in the folder", str(parent))
             return
 
 
 def check_file_out(path, flag: str | None = None) -> Path:
     """An output file: not a directory, below a directory (or where one can be made)."""
+    if str(path) == "":
+        raise ValueError(f"{flag or 'the output path'} is empty; name a file")
     path = Path(path)
     if path.is_dir():
         raise ValueError(f"{_prefix(flag, path)}: is a directory; give a file path")
@@ -171,6 +180,8 @@ def check_dir_out(path, flag: str | None = None, overwrite: bool | None = False,
     whole=True: the directory is written as a whole and renamed into place, so it must be absent, empty,
     or (overwrite=True) one glmkit wrote; overwrite=None: the command has no --overwrite.
     whole=False: files are written into it; it only has to be a directory (or absent)."""
+    if str(path) == "":
+        raise ValueError(f"{flag or 'the output path'} is empty; name a directory")
     target = Path(os.path.abspath(path))
     if target.exists() and not target.is_dir():
         raise ValueError(f"{_prefix(flag, path)}: exists and is not a directory")

@@ -267,3 +267,18 @@ def test_a_capture_is_marked(tmp_path):
     save_capture(cap, tmp_path / "cap")
     assert (tmp_path / "cap" / ".glmkit-output").read_text().startswith("kind: parity capture\n")
     assert torch.equal(load_capture(tmp_path / "cap").tensors[(0, "attn_out")], torch.ones(3, 2))
+
+
+def test_outputs_are_checked_writable_and_named_before_any_work(tmp_path, monkeypatch):
+    """An empty output path is bad input; a folder this process cannot write in is an environment
+    error (exit 4) raised by the check that runs before the work, not after it. (Root writes
+    anywhere, so the test asks os.access as a user without the right would get it answered.)"""
+    from glmkit.outputs import check_dir_out, check_file_out
+
+    for check in (check_file_out, check_dir_out):
+        with pytest.raises(ValueError, match="--out is empty"):
+            check("", "--out")
+    monkeypatch.setattr(os, "access", lambda path, mode: Path(path) != tmp_path)
+    for check in (check_file_out, check_dir_out):
+        with pytest.raises(PermissionError, match="cannot write in the folder"):
+            check(tmp_path / "new" / "x", "--out")

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from glmkit.checkpoint import open_checkpoint, save_checkpoint, synth_checkpoint
 from glmkit.model import TrainPath, load_model
@@ -15,7 +17,7 @@ from glmkit.parity.builtin import (fp32_vs_bf16, index_agreement, kda_error_vs_p
                                    mhc_residuals, parity)
 from glmkit.parity.capture import HookCapturer, capture_train
 from glmkit.parity.compare import compare, compare_indices, compare_values, logprob_abs_diff
-from glmkit.parity.dump import Capture, load_capture, save_capture
+from glmkit.parity.dump import FORMAT, Capture, load_capture, save_capture
 
 KV_B = "model.language_model.layers.3.self_attn.kv_b_proj.weight"
 
@@ -190,3 +192,20 @@ def test_builtin_comparisons(ckpt):
     half = fp32_vs_bf16(ckpt, seq_len=40)
     assert half.dtype == "bfloat16" and half.logprob is not None
     assert 1e-4 < max(s.rel_rms for s in half.sites if s.kind == "values") < 1.0
+
+
+def test_a_site_with_nan_is_shown_as_non_finite_not_as_agreeing(ckpt, tmp_path):
+    """A capture whose first site holds NaN: the verdict fails there, and the table and the verdict
+    line say the values are not finite (its rel RMS, over the finite part only, would read 0)."""
+    capture = tmp_path / "cap"
+    assert glmkit_cli("capture", "--checkpoint", ckpt, "--path", "reference", "--seq-len", 8, "--batch", 1,
+                      "--out", capture).returncode == 0
+    tensors = load_file(str(capture / "tensors.safetensors"))
+    key = sorted(k for k in tensors if k.startswith("L000/") and tensors[k].is_floating_point())[0]
+    tensors[key] = torch.full_like(tensors[key], float("nan"))
+    save_file(tensors, str(capture / "tensors.safetensors"), metadata={"format": FORMAT})
+    out = glmkit_cli("parity", "--checkpoint", ckpt, "--paths", f"reference,{capture}", "--seq-len", 8, "--batch", 1)
+    assert out.returncode == 1, out.stderr
+    layer0 = next(line for line in out.stdout.splitlines() if line.strip().startswith("0 "))
+    assert "non-finite" in layer0 and "DIVERGED" in layer0
+    assert re.search(r"verdict: fail, first divergence at layer 0, site \S+ \(\d+ NaN and 0 Inf values\)", out.stdout)

@@ -75,6 +75,8 @@ class Capture:
 def check_capture_out(out: str | os.PathLike, flag: str | None = None) -> Path:
     """Where a capture may be written: a new or empty directory. -> its absolute path. The CLI calls this
     before running anything, so a bad --out fails at once."""
+    if str(out) == "":
+        raise ValueError(f"{flag or 'the capture folder'} is empty; name a new or empty directory")
     if Path(out).is_dir() and any(Path(out).iterdir()):
         raise FileExistsError(f"{flag + ' ' if flag else ''}{out}: exists and is not empty; choose a new or "
                               f"empty directory")
