@@ -115,7 +115,10 @@ def main(argv=None):
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(3, vocab, (int(n),), generator=g).tolist()
                    for n in torch.randint(8, 65, (args.requests,), generator=g)]
-        client.generate(input_ids=prompts[0], sampling_params={"max_new_tokens": 2})  # warm-up
+        # warm-up: the first request compiles kernels (fla's autotuning, inductor); it took over 120 s on a
+        # fresh H100 with --kda-backend fla, so it has its own bound, not the load's
+        SGLangClient(url, timeout_s=max(1800.0, args.time_limit_s), retries=0).generate(
+            input_ids=prompts[0], sampling_params={"max_new_tokens": 2})
         latencies, lost, next_index, lock = [], [], iter(range(args.requests)), threading.Lock()
         deadline = time.perf_counter() + args.time_limit_s
         sampling = {"max_new_tokens": args.max_new_tokens, "temperature": 1.0, "ignore_eos": True}
