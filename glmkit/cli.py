@@ -769,7 +769,8 @@ def build_parser() -> argparse.ArgumentParser:
                             "out and writes the metrics")
         p.add_argument("--metrics-out", default="reports/train/metrics.jsonl")
         p.add_argument("--save", help="checkpoint directory")
-        p.add_argument("--save-interval", type=int, default=0)
+        p.add_argument("--save-interval", type=int, default=0,
+                       help="save every N rollouts (default with --save: once, after the last rollout)")
         p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint under --save "
                        "(its recorded settings must match; see --accept-changes)")
         p.add_argument("--accept-changes", default="", metavar="NAMES",

@@ -100,8 +100,9 @@ def test_lora_trains_and_syncs_only_the_adapters(tmp_path):
 def test_resume_continues_the_same_run(tmp_path):
     straight = GRPOTrainer(tiny(tmp_path / "a", num_rollout=4, rollout_batch_size=4, global_batch_size=32)).run()
     cfg = tiny(tmp_path / "b", num_rollout=2, rollout_batch_size=4, global_batch_size=32,
-               save=str(tmp_path / "b" / "ckpt"), save_interval=2)
+               save=str(tmp_path / "b" / "ckpt"))  # no --save-interval: one checkpoint, after the last rollout
     GRPOTrainer(cfg).run()
+    assert sorted(p.name for p in (tmp_path / "b" / "ckpt").glob("iter_*")) == ["iter_0000001"]
     assert (tmp_path / "b" / "ckpt" / "iter_0000001" / "optimizer.safetensors").exists()
     cfg.num_rollout, cfg.resume = 4, True
     changed = dataclasses.replace(cfg, lr=2e-3, seed=5)
@@ -112,6 +113,7 @@ def test_resume_continues_the_same_run(tmp_path):
     resumed = GRPOTrainer(cfg)
     assert resumed.start_step == 2
     resumed.run()
+    assert sorted(p.name for p in (tmp_path / "b" / "ckpt").glob("iter_*")) == ["iter_0000001", "iter_0000003"]
     history = rollout_rows(read_metrics(tmp_path / "b" / "metrics.jsonl"))
     assert [h["step"] for h in history] == [0, 1, 2, 3]
     assert [h["rollout/raw_reward"] for h in history] == [h["rollout/raw_reward"] for h in rollout_rows(straight)]

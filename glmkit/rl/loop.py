@@ -726,7 +726,9 @@ class GRPOTrainer:
                 last_train = next((r for r in reversed(rows) if "train/step" in r), {})
                 bar.set_postfix(reward=f"{rows[-1]['rollout/raw_reward']:.3f}",
                                 diff=f"{last_train.get('train/train_rollout_logprob_abs_diff') or 0:.1e}")
-                if cfg.save_interval and (step + 1) % cfg.save_interval == 0 and self.lead:
+                # --save without --save-interval: one checkpoint, after the last rollout
+                periodic = (step + 1) % cfg.save_interval == 0 if cfg.save_interval else step + 1 == cfg.num_rollout
+                if cfg.save and periodic and self.lead:
                     _save_checkpoint(cfg, step, self.policy, self.optimizer, self.lora_names)
                 if self.nonfinite_streak >= cfg.max_nonfinite_steps:
                     raise NonFiniteRun(f"stopped after rollout {step}: {self.nonfinite_streak} optimizer steps in a row "
