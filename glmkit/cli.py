@@ -660,10 +660,18 @@ def _launcher_arguments(p) -> None:
     p.add_argument("--gpus-per-node", dest="num_gpus_per_node", type=_positive, help=argparse.SUPPRESS)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with the CLI's one-line errors: the command (subcommands included) and the reason,
+    and where the usage is, instead of the whole usage block. Subparsers are of this class too."""
+
+    def error(self, message):
+        self.exit(EXIT_BAD_INPUT, f"{self.prog}: error: {message} (usage: {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from glmkit.config import VARIANTS
 
-    parser = argparse.ArgumentParser(prog="glmkit", description="GLM-5.3-Flash RL bring-up kit")
+    parser = _Parser(prog="glmkit", description="GLM-5.3-Flash RL bring-up kit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("check", help="train and rollout paths vs the transformers reference, with a report")

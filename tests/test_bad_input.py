@@ -392,7 +392,8 @@ def rollout_sizes(folder, tiny, sharded):
 
 def test_rollout_sizes_are_refused_before_the_model_loads(runs):
     folder, (batch, response) = runs("rollout_sizes")
-    assert error(batch) == "glmkit train: error: argument --rollout-batch-size: must be >= 1, got 0"
+    assert error(batch) == ("glmkit train: error: argument --rollout-batch-size: must be >= 1, got 0 "
+                            "(usage: glmkit train --help)")
     assert error(response) == "glmkit train: error: --rollout-max-response-len must be >= 1, got 0"
     assert "GRPO" not in batch.stderr + response.stderr and os.listdir(folder) == []  # no rollout started
 
@@ -411,7 +412,8 @@ def test_messages_name_flags_not_python_arguments(runs):
                              f"--overwrite to replace it")
     assert error(seq_len) == ("glmkit parity: error: --batch must be >= 1 and --seq-len >= 2, got --batch 2, "
                               "--seq-len 1")
-    assert error(steps) == "glmkit check: error: argument --decode-steps: must be in 2..65536, got 0"
+    assert error(steps) == ("glmkit check: error: argument --decode-steps: must be in 2..65536, got 0 "
+                            "(usage: glmkit check --help)")
 
 
 # ----------------------------------------------------------------------------- safety

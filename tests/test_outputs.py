@@ -102,7 +102,8 @@ def test_the_error_contract(tmp_path):
     """2: bad input, one line naming it; 3: an internal error (a library's ValueError is not the
     user's input), one line and the traceback in a file; 4: the environment; 130: interrupted."""
     bad = glmkit("ckpt", "synth", "--variant", "nope", "--out", tmp_path / "x")
-    last = bad.stderr.strip().splitlines()[-1]  # argparse's usage, then the one line naming the input
+    assert len(bad.stderr.strip().splitlines()) == 1  # one line: the command, the input and the allowed values
+    last = bad.stderr.strip()
     assert bad.returncode == 2 and "invalid choice: 'nope' (choose from" in last
     internal = failing_check("numpy.zeros(3).reshape(2, 2)", tmp_path)
     assert internal.returncode == 3, internal.stderr
