@@ -209,3 +209,7 @@ def test_a_site_with_nan_is_shown_as_non_finite_not_as_agreeing(ckpt, tmp_path):
     layer0 = next(line for line in out.stdout.splitlines() if line.strip().startswith("0 "))
     assert "non-finite" in layer0 and "DIVERGED" in layer0
     assert re.search(r"verdict: fail, first divergence at layer 0, site \S+ \(\d+ NaN and 0 Inf values\)", out.stdout)
+    tensors["input/ids"][3] = 10 ** 6  # a token the checkpoint cannot embed: named, exit 2 (was an IndexError)
+    save_file(tensors, str(capture / "tensors.safetensors"), metadata={"format": FORMAT})
+    bad = glmkit_cli("parity", "--checkpoint", ckpt, "--paths", f"reference,{capture}")
+    assert bad.returncode == 2 and "input/ids holds token 1000000, outside the checkpoint's vocabulary" in bad.stderr

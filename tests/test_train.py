@@ -256,6 +256,12 @@ def test_a_new_run_never_overwrites_an_earlier_one(tmp_path):
     assert through.returncode == 2 and "symbolic link" in through.stderr and mine.is_file()
 
 
+def test_metrics_and_checkpoints_need_two_paths(tmp_path):
+    same = run_cli("--metrics-out", tmp_path / "run", "--save", tmp_path / "run")
+    assert same.returncode == 2 and "--metrics-out and --save both name" in same.stderr
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.parametrize("flag, value", [("--num-rollout", 0), ("--global-batch-size", 0),
                                          ("--rollout-batch-size", -1), ("--n-samples-per-prompt", 0)])
 def test_sizes_below_one_are_refused_at_parsing(tmp_path, flag, value):

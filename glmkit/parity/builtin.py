@@ -199,6 +199,12 @@ def parity(checkpoint, paths=("reference", "train"), checkpoint_b=None, seq_len:
              and Path(p).is_dir()]
     if dumps:
         c = dumps[0]
+        vocab = open_checkpoint(checkpoint).config.vocab_size
+        ids = c.input_ids
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+            bad = int(ids.max()) if int(ids.max()) >= vocab else int(ids.min())
+            raise ValueError(f"{next(p for p in paths if p not in LIVE_PATHS and not p.startswith(SGLANG_PREFIX))}: "
+                             f"input/ids holds token {bad}, outside the checkpoint's vocabulary of {vocab}")
         sequences = [c.input_ids[s:e].tolist() for s, e in zip(c.cu_seqlens[:-1].tolist(), c.cu_seqlens[1:].tolist())]
         prompts = c.manifest.get("prompt_lengths") or [max(1, len(s) // 2) for s in sequences]
     else:

@@ -111,6 +111,9 @@ class TrainConfig:
             raise ValueError(f"--kl-loss-type {cfg.kl_loss_type!r}; allowed: {', '.join(grpo.KL_TYPES)}")
         if cfg.save_interval and not cfg.save:
             raise ValueError("--save-interval needs --save DIR")
+        if cfg.save and os.path.abspath(cfg.save) == os.path.abspath(cfg.metrics_out):
+            raise ValueError(f"--metrics-out and --save both name {cfg.save}: the metrics file and the checkpoint "
+                             f"folder need two paths")
         if cfg.resume and cfg.overwrite:
             raise ValueError("--resume continues a run and --overwrite replaces it: give one of them")
         if not cfg.rollout_temperature >= GREEDY_BELOW:
