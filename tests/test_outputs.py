@@ -220,6 +220,9 @@ def test_single_file_outputs_replace_only_what_glmkit_wrote(tmp_path):
     foreign = glmkit("check", "--variant", "tiny", "--out", out)
     assert foreign.returncode == 2 and "not a check report glmkit wrote" in foreign.stderr
     assert (out / "check.json").read_text() == "{}"
+    fresh = tmp_path / "fresh"  # a check that fails leaves no empty --out folder behind
+    failed = glmkit("check", "--checkpoint", tmp_path / "nowhere", "--out", fresh)
+    assert failed.returncode == 2 and not fresh.exists()
 
 
 def test_launch_metrics_are_replaced_or_appended_only_when_glmkit_wrote_them(tmp_path):
