@@ -240,6 +240,21 @@ def is_stale_staging(folder: Path, name: str) -> bool:
     return time.time() - _newest_change(folder) > STALE_ELSEWHERE_S
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)  # reading it means setting it: set back at once
+    os.umask(mask)
+    return mask
+
+
+def usual_modes(folder: Path) -> None:
+    """The files a finished output folder holds get the modes the umask gives new files (some writers,
+    safetensors' among them, create theirs 0600)."""
+    mode = 0o666 & ~_umask()
+    for entry in Path(folder).rglob("*"):
+        if entry.is_file() and not entry.is_symlink():
+            entry.chmod(mode)
+
+
 def staging_dir(target: Path, what: str) -> Path:
     """A new, marked staging directory beside `target`, after removing stale ones of earlier writes to it."""
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -251,6 +266,7 @@ def staging_dir(target: Path, what: str) -> Path:
             pass
     staged = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-{socket.gethostname()}-{os.getpid()}-",
                                    dir=target.parent))
+    staged.chmod(0o777 & ~_umask())  # a usual folder's mode, not mkdtemp's 0700
     mark(staged, what)
     return staged
 
@@ -260,6 +276,7 @@ def move_into_place(staged: Path, target: Path) -> None:
     aside first and deleted last."""
     if is_glmkit_output(staged):
         record_entries(staged)
+    usual_modes(staged)
     old = None
     if target.exists() or target.is_symlink():
         if target.is_dir() and not target.is_symlink() and not any(target.iterdir()):

@@ -270,6 +270,10 @@ def test_a_capture_is_marked(tmp_path):
                   manifest={"path": "train"})
     save_capture(cap, tmp_path / "cap")
     assert (tmp_path / "cap" / ".glmkit-output").read_text().startswith("kind: parity capture\n")
+    mask = os.umask(0o022)
+    os.umask(mask)
+    assert (tmp_path / "cap").stat().st_mode & 0o777 == 0o777 & ~mask        # the umask's modes, not 0700 / 0600
+    assert (tmp_path / "cap" / "tensors.safetensors").stat().st_mode & 0o777 == 0o666 & ~mask
     assert torch.equal(load_capture(tmp_path / "cap").tensors[(0, "attn_out")], torch.ones(3, 2))
 
 

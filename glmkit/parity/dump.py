@@ -30,7 +30,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from glmkit.outputs import check_dir_out, mark, staging_dir
+from glmkit.outputs import check_dir_out, mark, staging_dir, usual_modes
 
 FORMAT = "glmkit-capture/1"
 
@@ -96,6 +96,7 @@ def save_capture(capture: Capture, out: str | os.PathLike) -> Path:
                         lengths=capture.lengths, sites=sorted(k for k in tensors if not k.startswith("input/")))
         (staging / "manifest.json").write_text(json.dumps(manifest, indent=2))
         mark(staging, "parity capture")
+        usual_modes(staging)
         if out.exists():
             out.rmdir()
         os.replace(staging, out)
@@ -110,7 +111,7 @@ def load_capture(path: str | os.PathLike) -> Capture:
     manifest_file, tensor_file = path / "manifest.json", path / "tensors.safetensors"
     if not manifest_file.is_file() or not tensor_file.is_file():
         raise ValueError(f"{path}: not a capture directory (needs manifest.json and tensors.safetensors)")
-    try:
+    try:  # (an unreadable file raises PermissionError: the environment's, exit 4)
         manifest = json.loads(manifest_file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"{manifest_file}: unreadable JSON: {err}") from err
@@ -118,6 +119,8 @@ def load_capture(path: str | os.PathLike) -> Capture:
         raise ValueError(f"{manifest_file}: expected a JSON object, found {type(manifest).__name__}")
     if manifest.get("format") != FORMAT:
         raise ValueError(f"{manifest_file}: format {manifest.get('format')!r}, expected {FORMAT!r}")
+    with open(tensor_file, "rb"):  # an unreadable file is a permission problem (exit 4), not a corrupt one
+        pass
     try:  # safetensors checks the header and that the data covers it (a truncated file fails here)
         f = safe_open(str(tensor_file), "pt")
     except Exception as err:
