@@ -87,16 +87,11 @@ def _dtype(name: str):
 
 
 def cmd_check(args) -> int:
-    from glmkit.outputs import RunLock, check_dir_out
+    from glmkit.outputs import RunLock, check_dir_out, removed_if_left_empty
 
     check_dir_out(args.out, "--out", whole=False)  # a file there is named before the lock would need the folder
-    made = not Path(args.out).exists()
-    try:
-        with RunLock(Path(args.out) / "check", "--out"):  # one check writing into this folder at a time
-            return _check(args)
-    finally:
-        if made and Path(args.out).is_dir() and not any(Path(args.out).iterdir()):
-            Path(args.out).rmdir()  # a check that wrote nothing (refused, failed, interrupted) leaves no folder
+    with removed_if_left_empty(args.out) as out, RunLock(out / "check", "--out"):  # one check at a time there
+        return _check(args)
 
 
 def _check(args) -> int:

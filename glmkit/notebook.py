@@ -298,7 +298,7 @@ def run_notebook(notebook, out_dir, parameters: dict, name: str | None = None) -
     """Execute `notebook` with `parameters` (plus out_dir) and write {out_dir}/{name}.html; returns its path.
     On an execution error the executed notebook is kept as {name}.failed.ipynb and the error re-raised.
     The report's name in `out_dir` is locked while it runs (a second run of it there is refused)."""
-    from glmkit.outputs import RunLock, check_dir_out
+    from glmkit.outputs import RunLock, check_dir_out, removed_if_left_empty
 
     notebook, out_dir = Path(notebook).resolve(), Path(out_dir)
     if not notebook.is_file():
@@ -310,16 +310,10 @@ def run_notebook(notebook, out_dir, parameters: dict, name: str | None = None) -
     if out_dir / f"{name}.ipynb" == notebook:
         raise ValueError(f"{notebook}: the executed copy would overwrite the notebook; choose another out_dir or name")
     out_dir = check_dir_out(out_dir, "--out", whole=False)
-    made = not out_dir.exists()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    try:
-        with RunLock(out_dir / name, "--out"):  # one run of this report in this folder at a time
-            for suffix in REPORT_FILES:  # replaced only when an earlier report run wrote them
-                _claim(out_dir / f"{name}{suffix}", notebook)
-            return _run_locked(notebook, out_dir, parameters, name)
-    finally:
-        if made and not any(out_dir.iterdir()):  # a run that wrote nothing leaves no empty folder behind
-            out_dir.rmdir()
+    with removed_if_left_empty(out_dir), RunLock(out_dir / name, "--out"):  # one run of this report there at a time
+        for suffix in REPORT_FILES:  # replaced only when an earlier report run wrote them
+            _claim(out_dir / f"{name}{suffix}", notebook)
+        return _run_locked(notebook, out_dir, parameters, name)
 
 
 REPORT_FILES = (".html", ".ipynb", ".failed.ipynb")

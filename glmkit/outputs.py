@@ -14,6 +14,7 @@ Rules:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -152,8 +153,6 @@ def _check_ancestors(path: Path, flag: str | None) -> None:
     before the work, not after it)."""
     import errno
 
-    if str(path) == "":
-        raise ValueError(f"{flag or 'the output path'} is empty; name a file or directory")
     for parent in Path(os.path.abspath(path)).parents:
         if parent.exists():
             if not parent.is_dir():
@@ -238,6 +237,19 @@ def is_stale_staging(folder: Path, name: str) -> bool:
     if m["host"] == socket.gethostname():
         return not _running(int(m["pid"]))
     return time.time() - _newest_change(folder) > STALE_ELSEWHERE_S
+
+
+@contextlib.contextmanager
+def removed_if_left_empty(folder):
+    """A command's output folder that it creates: if the command ends (done, refused, failed or
+    interrupted) with nothing in it, the folder goes too, so no empty output looks like a result."""
+    folder = Path(folder)
+    made = not folder.exists()
+    try:
+        yield folder
+    finally:
+        if made and folder.is_dir() and not folder.is_symlink() and not any(folder.iterdir()):
+            folder.rmdir()
 
 
 def _umask() -> int:
