@@ -66,6 +66,8 @@ MAX_DECODE_STEPS = 1 << 16
 
 
 _positive = _int_at_least(1, "positive integer")
+# torch and numpy seed from a signed 64-bit int; a larger seed fails deep inside a run
+_seed = _int_at_least(0, "seed", (1 << 63) - 1)
 _non_negative = _int_at_least(0, "non-negative integer")
 
 
@@ -677,7 +679,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("check", help="train and rollout paths vs the transformers reference, with a report")
     p.add_argument("--checkpoint", help="HF checkpoint directory (default: synthesise --variant)")
     p.add_argument("--variant", default="tiny", choices=list(VARIANTS))
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=_seed, default=0)
     p.add_argument("--decode-steps", type=_int_at_least(2, "integer", MAX_DECODE_STEPS), default=16)
     p.add_argument("--dtype", default="float32", choices=list(DTYPES))
     p.add_argument("--device", default="cpu", choices=DEVICES)
@@ -689,7 +691,7 @@ def build_parser() -> argparse.ArgumentParser:
         """The seeded input and where the paths run: shared by parity and capture."""
         p.add_argument("--seq-len", type=_positive, default=64)
         p.add_argument("--batch", type=_positive, default=2)
-        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--seed", type=_seed, default=0)
         p.add_argument("--dtype", default="float32", choices=list(DTYPES))
         p.add_argument("--device", default="cpu", choices=DEVICES)
         _backend_arguments(p)
@@ -770,7 +772,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--device", default="cpu", choices=DEVICES)
         p.add_argument("--dtype", default="float32", choices=list(DTYPES))
         _backend_arguments(p)
-        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--seed", type=_seed, default=0)
         p.add_argument("--data-parallel", default="", choices=["gloo", "nccl"],
                        help="this process is one rank of a data-parallel trainer started by torchrun "
                             "(torchrun --nproc-per-node N -m glmkit train --data-parallel nccl ...); rank 0 rolls "
@@ -818,7 +820,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                                           metavar="ACTION")
     p = ckpt.add_parser("synth", help="write a seeded random checkpoint that transformers loads")
     p.add_argument("--variant", required=True, choices=list(VARIANTS))
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=_seed, default=0)
     p.add_argument("--out", required=True)
     p.add_argument("--dtype", default="float32", choices=list(DTYPES))
     p.add_argument("--overwrite", action="store_true")
@@ -856,7 +858,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sample", type=_non_negative, default=64,
                    help="how many tensors to compare (embedding, final norm and head always among them); 0: all")
     p.add_argument("--rows", type=_positive, default=100, help="leading rows of each tensor (SGLang's truncate_size)")
-    p.add_argument("--seed", type=int, default=0, help="which tensors --sample draws")
+    p.add_argument("--seed", type=_seed, default=0, help="which tensors --sample draws")
     p.add_argument("--json", help="write the result as JSON here")
     p.set_defaults(func=cmd_ckpt_verify_engine)
 
@@ -924,7 +926,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "bundles on one GPU, e.g. 0.5 for --trainers 1 on a one-GPU host (their world runs over gloo)")
     p.add_argument("--device", default="cpu", choices=DEVICES)
     p.add_argument("--dtype", default="float32", choices=list(DTYPES))
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=_seed, default=0)
     p.add_argument("--job-metrics-out", help="builtin: where the trainer actor writes its own metrics file")
     p.set_defaults(func=cmd_launch)
 
@@ -951,7 +953,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--enable-memory-saver", action="store_true",
                    help="report SGLang's memory saver as on in /server_info (the framework compares it with its "
                         "--offload-rollout); glmkit keeps its memory either way")
-    p.add_argument("--random-seed", type=int, default=0, help="seeds requests that give no sampling_seed")
+    p.add_argument("--random-seed", type=_seed, default=0, help="seeds requests that give no sampling_seed")
     p.add_argument("--base-gpu-id", type=_non_negative, default=0,
                    help="the base_gpu_id /server_info reports (the framework compares it for an external engine)")
     _backend_arguments(p)

@@ -334,6 +334,44 @@ def test_capture_manifest_not_an_object(runs):
 
 
 @case
+def capture_cu_seqlens(folder, tiny, sharded):
+    """Captures whose cu_seqlens cannot cut their 6 tokens: decreasing, not ending at 6, 2-D, float."""
+    runs = []
+    for name, cu in {"down": [0, 4, 2, 6], "short": [0, 4], "flat": [[0, 4, 6]], "float": [0.0, 4.0, 6.0]}.items():
+        cap = capture_dir(folder / name)
+        tensors = load_file(str(cap / "tensors.safetensors"))
+        tensors["input/cu_seqlens"] = torch.tensor(cu)
+        save_file(tensors, str(cap / "tensors.safetensors"))
+        runs.append(["parity", "--checkpoint", tiny, "--paths", f"{cap},train"])
+    return runs
+
+
+def test_capture_cu_seqlens_that_cannot_cut_the_tokens(runs):
+    folder, outs = runs("capture_cu_seqlens")
+    lead = "glmkit parity: error: {}/cap/tensors.safetensors: tensor 'input/cu_seqlens'"
+    assert error(outs[0]) == (lead.format(folder / "down") + " [0, 4, 2, 6]: must start at 0, increase strictly "
+                              "and end at the 6 tokens")
+    assert error(outs[1]) == (lead.format(folder / "short") + " [0, 4]: must start at 0, increase strictly and "
+                              "end at the 6 tokens")
+    assert error(outs[2]) == (lead.format(folder / "flat") + ": expected 1-D integers [N+1] with N >= 1, got "
+                              "torch.int64 [1, 3]")
+    assert error(outs[3]) == (lead.format(folder / "float") + ": expected 1-D integers [N+1] with N >= 1, got "
+                              "torch.float32 [3]")
+
+
+@case
+def seed_out_of_range(folder, tiny, sharded):
+    return [["check", "--seed", 10 ** 23], ["ckpt", "synth", "--seed", -1, "--out", folder / "ck"]]
+
+
+def test_seeds_outside_a_64_bit_int_are_refused_by_flag(runs):
+    _, (big, negative) = runs("seed_out_of_range")
+    assert error(big).startswith(f"glmkit check: error: argument --seed: must be in 0..{(1 << 63) - 1}, got {10 ** 23}")
+    assert error(negative).startswith(f"glmkit ckpt synth: error: argument --seed: must be in 0..{(1 << 63) - 1}, "
+                                      f"got -1")
+
+
+@case
 def synth_dot(folder, tiny, sharded):
     (folder / "mine.txt").write_text("mine")
     return [(["ckpt", "synth", "--variant", "tiny", "--out", ".", "--overwrite"], folder)]

@@ -676,3 +676,19 @@ def test_hook_capturer_taps_and_row_check():
         (None, "mlp_out")].shape == (3, C)
     with pytest.raises(ValueError, match="3 rows captured for 4 input tokens"):
         hooks.to_capture(torch.arange(4), torch.tensor([0, 4]))
+
+
+
+def test_cu_seqlens_that_cannot_cut_the_tokens_are_refused_by_name():
+    model, seqs = megatron(), sequences()  # 5 + 7 tokens
+    ids, cu, _, fw_cu, _ = thd(seqs)
+    for bad in ([0, 7, 5, 12], [0, 5, 10]):
+        with pytest.raises(ValueError, match=rf"^cu_seqlens \[{', '.join(map(str, bad))}\]: must start at 0, "
+                                             r"increase strictly and end at the 12 tokens$"):
+            with capture_live(model, "megatron", ids, torch.tensor(bad), packed_cu_seqlens=fw_cu):
+                pass
+    with pytest.raises(ValueError, match=r"^packed_cu_seqlens \[0, 5, 3, 16\]: must start at 0"):
+        with capture_live(model, "megatron", ids, cu, packed_cu_seqlens=torch.tensor([0, 5, 3, 16])):
+            pass
+    with pytest.raises(ValueError, match=r"^cu_seqlens for 3 index rows: expected 1-D integers"):
+        packed_to_local(torch.zeros(3, 2, dtype=torch.long), torch.tensor([[0, 3]]))

@@ -44,6 +44,20 @@ def parse_key(key: str) -> tuple[int | None, str]:
     return (None, site) if head == "final" else (int(head[1:]), site)
 
 
+def check_cu_seqlens(cu_seqlens, n_tokens: int, name: str = "cu_seqlens") -> torch.Tensor:
+    """`cu_seqlens` as int64 [N+1] after checking it cuts `n_tokens` tokens into N >= 1 sequences:
+    1-D integers from 0, strictly increasing, ending at `n_tokens`. Raises naming `name` otherwise."""
+    cu = torch.as_tensor(cu_seqlens)
+    if cu.dim() != 1 or cu.numel() < 2 or cu.dtype.is_floating_point or cu.dtype.is_complex or cu.dtype == torch.bool:
+        raise ValueError(f"{name}: expected 1-D integers [N+1] with N >= 1, got {cu.dtype} {list(cu.shape)}")
+    cu = cu.to(torch.int64)
+    bounds = cu.tolist()
+    shown = bounds if len(bounds) <= 8 else bounds[:4] + ["..."] + bounds[-2:]
+    if bounds[0] != 0 or bounds[-1] != n_tokens or any(b >= c for b, c in zip(bounds, bounds[1:])):
+        raise ValueError(f"{name} {shown}: must start at 0, increase strictly and end at the {n_tokens} tokens")
+    return cu
+
+
 def input_hash(input_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> str:
     h = hashlib.sha256()
     h.update(input_ids.to(torch.int64).cpu().numpy().tobytes())
@@ -130,7 +144,12 @@ def load_capture(path: str | os.PathLike) -> Capture:
         for needed in ("input/ids", "input/cu_seqlens"):
             if needed not in keys:
                 raise ValueError(f"{tensor_file}: missing tensor {needed!r}")
-        capture = Capture(f.get_tensor("input/ids"), f.get_tensor("input/cu_seqlens"), manifest=manifest)
+        ids = f.get_tensor("input/ids")
+        if ids.dim() != 1 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+            raise ValueError(f"{tensor_file}: tensor 'input/ids': expected 1-D token ids, got {ids.dtype} "
+                             f"{list(ids.shape)}")
+        cu = check_cu_seqlens(f.get_tensor("input/cu_seqlens"), ids.numel(), f"{tensor_file}: tensor 'input/cu_seqlens'")
+        capture = Capture(ids, cu, manifest=manifest)
         for key in keys:
             if not key.startswith("input/"):
                 try:

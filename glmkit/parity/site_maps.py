@@ -60,7 +60,7 @@ from dataclasses import dataclass, field
 import torch
 
 from glmkit.parity.capture import HookCapturer, Tap
-from glmkit.parity.dump import Capture
+from glmkit.parity.dump import Capture, check_cu_seqlens
 
 FRAMEWORKS = ("megatron", "sglang")
 
@@ -326,10 +326,8 @@ def routing_map_ids(routing_map: torch.Tensor, k: int) -> torch.Tensor:
 def packed_to_local(indices: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """Absolute packed token indices [T, W] (-1 empty; row t is token t of the packed stream) ->
     positions inside row t's own sequence. Raises if an index leaves its row's sequence."""
-    cu = cu_seqlens.to(indices.device, torch.long)
     T = indices.shape[0]
-    if int(cu[-1]) != T:
-        raise ValueError(f"{T} index rows but cu_seqlens ends at {int(cu[-1])}")
+    cu = check_cu_seqlens(cu_seqlens.cpu(), T, f"cu_seqlens for {T} index rows").to(indices.device)
     seq = torch.searchsorted(cu[1:], torch.arange(T, device=indices.device), right=True)
     start, end = cu[seq][:, None], cu[seq + 1][:, None]
     valid = indices >= 0
@@ -354,10 +352,8 @@ class LiveCapture(HookCapturer):
         super().__init__(model, self.sites.taps, layer=self._layer)
         self.framework = framework
         self.input_ids = torch.as_tensor(input_ids).flatten()
-        self.cu_seqlens = torch.as_tensor(cu_seqlens, dtype=torch.long)
+        self.cu_seqlens = check_cu_seqlens(torch.as_tensor(cu_seqlens).cpu(), self.input_ids.numel())
         self.lengths = (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).tolist()
-        if int(self.cu_seqlens[-1]) != self.input_ids.numel():
-            raise ValueError(f"cu_seqlens ends at {int(self.cu_seqlens[-1])}, input_ids has {self.input_ids.numel()}")
         self.layer_offset, self.gather_tp, self.tp_group = layer_offset, gather_tp, tp_group
         self.indexer_width, self.manifest = indexer_width, manifest
         self.skipped, self.forward_rows = {}, None
@@ -370,7 +366,9 @@ class LiveCapture(HookCapturer):
     def _megatron_layout(self, packed_cu_seqlens, padded_len):
         """Where each capture token sits among the framework's batch-major rows ([s, b] -> b*s rows)."""
         if self.layout == "thd":
-            fw = self.cu_seqlens if packed_cu_seqlens is None else torch.as_tensor(packed_cu_seqlens).long().cpu()
+            fw = self.cu_seqlens if packed_cu_seqlens is None else torch.as_tensor(packed_cu_seqlens).cpu()
+            if packed_cu_seqlens is not None:
+                fw = check_cu_seqlens(fw, int(fw.reshape(-1)[-1]) if fw.numel() else 0, "packed_cu_seqlens")
             fw_lengths = (fw[1:] - fw[:-1]).tolist()
             if len(fw_lengths) < len(self.lengths) or any(f < n for f, n in zip(fw_lengths, self.lengths)):
                 raise ValueError(f"packed_cu_seqlens {fw.tolist()} does not hold sequences of lengths {self.lengths}")
