@@ -35,6 +35,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 
+from glmkit.inputs import not_a_file
 from glmkit.report import divergence_text, versions
 from glmkit.rl.health import UNDECIDED
 
@@ -301,8 +302,10 @@ def run_notebook(notebook, out_dir, parameters: dict, name: str | None = None) -
     from glmkit.outputs import RunLock, check_dir_out, removed_if_left_empty
 
     notebook, out_dir = Path(notebook).resolve(), Path(out_dir)
-    if not notebook.is_file():
-        raise FileNotFoundError(f"{notebook}: no such notebook")
+    if (why := not_a_file(notebook)) is not None:
+        if why == "no such file":
+            raise FileNotFoundError(f"{notebook}: no such notebook")
+        raise ValueError(f"{notebook}: {why}, not a notebook")
     _check_notebook(notebook)
     name = name or notebook.stem
     if not name or name.startswith(".") or "/" in name or "\\" in name or "\0" in name:

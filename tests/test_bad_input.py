@@ -660,3 +660,27 @@ def test_shapes_a_path_cannot_take_are_refused_by_name(tmp_path):
     assert load_model(one).layers[-1].mlp.experts.gate_up_proj.shape[0] == 1
     with pytest.raises(ValueError, match="the transformers reference needs n_routed_experts >= 2"):
         load_reference(one)
+
+
+def test_pipes_devices_and_dangling_links_are_named_for_what_they_are(tmp_path, tiny_ckpt):
+    from glmkit.inputs import not_a_file
+
+    os.mkfifo(tmp_path / "pipe")
+    (tmp_path / "to_zero").symlink_to("/dev/zero")
+    (tmp_path / "dangling").symlink_to(tmp_path / "nothing")
+    (tmp_path / "loop").symlink_to(tmp_path / "loop")
+    (tmp_path / "rows.jsonl").write_text("{}\n")
+    (tmp_path / "to_rows").symlink_to(tmp_path / "rows.jsonl")
+    assert not_a_file(tmp_path / "pipe") == "is a named pipe (FIFO)"
+    assert not_a_file(tmp_path / "to_zero") == "is a character device (through a symbolic link)"
+    assert not_a_file(tmp_path / "dangling") == "is a symbolic link to nothing"
+    assert not_a_file(tmp_path / "missing") == "no such file"
+    assert not_a_file(tmp_path) == "is a directory"
+    assert "symbolic links" in not_a_file(tmp_path / "loop")
+    assert not_a_file(tmp_path / "rows.jsonl") is None and not_a_file(tmp_path / "to_rows") is None
+    # as a user meets it: the flag, the path and what it is; no read that would block on the pipe
+    out = glmkit("train", "--prompt-data", tmp_path / "pipe", "--num-rollout", 1)
+    assert error(out) == f"glmkit train: error: --prompt-data {tmp_path / 'pipe'}: is a named pipe (FIFO); give a jsonl file"
+    out = glmkit("rollout-data", tmp_path / "to_zero", "--checkpoint", tiny_ckpt)
+    assert error(out) == (f"glmkit rollout-data: error: {tmp_path / 'to_zero'}: is a character device (through a "
+                          f"symbolic link); rollout data is one .pt file")

@@ -242,3 +242,22 @@ def test_the_reward_command_reads_one_bounded_response_from_stdin():
     assert scored.returncode == 0 and b'"score": 1.0' in scored.stdout
     endless = subprocess.run(command, stdin=open("/dev/zero", "rb"), capture_output=True, timeout=120)
     assert endless.returncode == 2 and b"longer than 1048576 bytes" in endless.stderr
+
+
+def test_a_huge_answer_is_wrong_fast_and_is_not_logged_whole(caplog):
+    """A 200 KB boxed "answer" (found by the hostile pass) is compared as a string only; math-verify's
+    own warnings, which quote the answer they choked on, are cut to LOGGED_CHARS."""
+    import logging
+    import time
+
+    huge = "1+" * 100_000 + "1"
+    start = time.perf_counter()
+    assert math(rf"\boxed{{{huge}}}", "3")["score"] == 0.0
+    assert math(rf"\boxed{{{huge}}}", huge)["score"] == 1.0  # equal strings still agree
+    assert time.perf_counter() - start < 2.0  # generous: it never reaches sympy (a parse takes seconds)
+    rewards._quiet_math_verify_logs()
+    with caplog.at_level(logging.WARNING, logger="math_verify.parser"):
+        logging.getLogger("math_verify.parser").warning("Timeout during parsing: %s", huge)
+    (record,) = [r for r in caplog.records if r.name == "math_verify.parser"]
+    assert len(record.getMessage()) < rewards.LOGGED_CHARS + 40
+    assert record.getMessage().endswith(f"... ({len('Timeout during parsing: ' + huge)} characters)")

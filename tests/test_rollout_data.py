@@ -128,6 +128,25 @@ def test_masked_tokens_do_not_count(rollout_file, tmp_path):
     assert all(w["position"] != sample["response_length"] - 1 for w in result.samples[0].worst_tokens)
 
 
+def test_nonfinite_log_probs_are_shown_as_such_not_as_a_zero_difference(rollout_file, tmp_path):
+    """The framework's metric zeroes NaN/inf differences; the table must not show such a side as agreeing."""
+    raw = torch.load(rollout_file, weights_only=False)
+    sample = raw["samples"][0]
+    sample["rollout_log_probs"][2] = float("nan")
+    sample["rollout_log_probs"][4] = float("-inf")
+    raw["samples"] = [sample]
+    path = tmp_path / "nan.pt"
+    torch.save(raw, path)
+    result = attribute(load_rollout_data(path), CKPT, progress=False)
+    a = result.samples[0]
+    assert (a.engine_nonfinite, a.trainer_nonfinite, a.departs) == (2, 0, "engine")
+    assert a.engine_vs_reference < 1e-4  # the framework's zeroing, kept for its number
+    row = next(line for line in result.text().splitlines() if line.strip().startswith("100 "))
+    assert row.split()[1] == "nonfinite:2" and row.split()[3] == "nonfinite:2" and row.split()[-1] == "engine"
+    assert "2 counted log-probs are NaN or infinite" in result.text()
+    assert result.to_json()["samples"][0]["engine_nonfinite_tokens"] == 2 and result.verdict == "fail"
+
+
 @pytest.mark.parametrize("damage, message", [
     ("lengths", "4 token sequences but 3 log-prob lists"),
     ("nested", "log_probs[0]: expected a flat list"),

@@ -40,6 +40,7 @@ from glmkit.checkpoint.names import (
     layer_prefix,
 )
 from glmkit.config import full_config
+from glmkit.inputs import not_a_file
 from glmkit.outputs import check_dir_out, move_into_place, staging_dir
 
 CONFIG_FILE = "config.json"
@@ -146,8 +147,8 @@ def read_header(file: Path) -> dict[str, TensorInfo]:
     safetensors itself rejects a truncated header; the explicit size check also names the
     file when only the tensor data at the end is missing.
     """
-    if file.exists() and not file.is_file():  # a FIFO or a device would block or never end
-        raise CheckpointError(f"{file}: not a regular file")
+    if file.exists() and (why := not_a_file(file)) is not None:  # a FIFO or a device would block or never end
+        raise CheckpointError(f"{file}: {why}, not a safetensors file")
     try:
         size = file.stat().st_size
         with open(file, "rb") as fh:
@@ -225,10 +226,10 @@ def _sharded_tensor_map(index_file: Path) -> dict[str, TensorInfo]:
                                   f"the checkpoint directory; refused without opening it")
     shard_names = sorted(set(weight_map.values()))
     for shard in shard_names:
-        if not (index_file.parent / shard).is_file():
+        if (why := not_a_file(index_file.parent / shard)) is not None:
             first_key = next(k for k, v in weight_map.items() if v == shard)
-            raise CheckpointError(
-                f"{index_file}: shard {shard} does not exist (listed for tensor {first_key})")
+            why = "does not exist" if why == "no such file" else why
+            raise CheckpointError(f"{index_file}: shard {shard} {why} (listed for tensor {first_key})")
 
     tensors: dict[str, TensorInfo] = {}
     for shard in shard_names:
@@ -447,8 +448,8 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a checkpoint directory")
     config_file = path / CONFIG_FILE
-    if not config_file.is_file():
-        raise CheckpointError(f"{config_file}: missing")
+    if (why := not_a_file(config_file)) is not None:
+        raise CheckpointError(f"{config_file}: " + ("missing" if why == "no such file" else why))
     config = text_config_from_json(_read_json(config_file), config_file)
 
     all_tensors, source = _flat_prefix_renamed(*_tensor_map(path))

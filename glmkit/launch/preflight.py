@@ -26,6 +26,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from glmkit.inputs import not_a_file
 from glmkit.launch.shapes import Shape, pipeline_split
 
 GIB = 2 ** 30
@@ -280,8 +281,8 @@ def torch_dist_check(model: str, ckpt_dir, layers: int | None = None) -> Check:
 def dataset_check(path, input_key: str = "prompt", label_key: str = "label", rows: int = 3) -> Check:
     """The dataset exists and its first rows are JSON objects with the input and label keys."""
     path = Path(path)
-    if not path.is_file():
-        return Check("dataset", False, f"{path} not found")
+    if (why := not_a_file(path)) is not None:
+        return Check("dataset", False, f"{path} " + ("not found" if why == "no such file" else why))
     seen = 0
     with path.open("rb") as f:
         for number, raw in enumerate(f, 1):

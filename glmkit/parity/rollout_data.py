@@ -25,6 +25,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from glmkit.inputs import not_a_file
+
 DEFAULT_THRESHOLD = 0.02  # mean |logp - reference| per sample; the recipe's healthy abs diff is ~0.007
 WORST_TOKENS = 8
 PROFILE_BINS = 32
@@ -46,10 +48,10 @@ def _numpy_globals() -> list:
 
 
 def _load(path: Path, what: str):
-    if not path.exists():
+    if (why := not_a_file(path)) == "no such file":
         raise FileNotFoundError(f"{path}: not found")
-    if not path.is_file():
-        raise ValueError(f"{path}: not a file ({what} is one .pt file)")
+    if why is not None:
+        raise ValueError(f"{path}: {why}; {what} is one .pt file")
     try:
         with torch.serialization.safe_globals(_numpy_globals()):
             return torch.load(path, map_location="cpu", weights_only=True)
@@ -196,6 +198,10 @@ class SampleAttribution:
     engine_vs_trainer: float = 0.0
     departs: str = "none"
     worst_tokens: list = field(default_factory=list)
+    # counted tokens whose log-prob is NaN or infinite: the means above zero them (as the framework's
+    # metric does), so they are counted here and shown instead of a misleading small mean
+    engine_nonfinite: int = 0
+    trainer_nonfinite: int = 0
 
     def to_json(self) -> dict:
         s = self.sample
@@ -205,6 +211,7 @@ class SampleAttribution:
                 "prompt_length": s.prompt_length, "response_length": s.response_length,
                 "masked_tokens": sum(s.mask), "engine_vs_reference": self.engine_vs_reference,
                 "trainer_vs_reference": self.trainer_vs_reference, "engine_vs_trainer": self.engine_vs_trainer,
+                "engine_nonfinite_tokens": self.engine_nonfinite, "trainer_nonfinite_tokens": self.trainer_nonfinite,
                 "trainer_source": self.trainer_source, "departs": self.departs, "worst_tokens": self.worst_tokens}
 
 
@@ -251,16 +258,26 @@ class RolloutAttribution:
         shown = sorted(self.samples, key=severity)[:20]
         for a in shown:
             j = a.to_json()
-            lines.append(f"  {str(j['index']):>6} {a.engine_vs_reference:11.3e} {a.trainer_vs_reference:11.3e} "
-                         f"{a.engine_vs_trainer:14.3e}  {a.departs}")
+            engine, trainer = _mean_cell(a.engine_vs_reference, a.engine_nonfinite), \
+                _mean_cell(a.trainer_vs_reference, a.trainer_nonfinite)
+            pair = _mean_cell(a.engine_vs_trainer, max(a.engine_nonfinite, a.trainer_nonfinite))
+            lines.append(f"  {str(j['index']):>6} {engine:>11} {trainer:>11} {pair:>14}  {a.departs}")
         if len(self.samples) > len(shown):
             lines.append(f"  ... {len(self.samples) - len(shown)} more samples (see --json)")
         for a in self.departing[:5]:
             worst = ", ".join(f"pos {w['position']} (token {w['token']}): engine {w['engine']:.4g}, reference "
                               f"{w['reference']:.4g}, trainer {w['trainer']:.4g}" for w in a.worst_tokens[:3])
             lines.append(f"  sample {a.to_json()['index']} worst: {worst}")
+        nonfinite = sum(a.engine_nonfinite + a.trainer_nonfinite for a in self.samples)
+        if nonfinite:
+            lines.append(f"  {nonfinite} counted log-probs are NaN or infinite (shown as 'nonfinite:N'); the abs "
+                         f"diff above counts them as 0, as the framework's metric does")
         lines.append(f"verdict: {self.verdict}")
         return "\n".join(lines)
+
+
+def _mean_cell(mean: float, nonfinite: int) -> str:
+    return f"nonfinite:{nonfinite}" if nonfinite else f"{mean:.3e}"
 
 
 def severity(a: SampleAttribution) -> tuple:
@@ -352,8 +369,10 @@ def _attribute_sample(s: RolloutSample, ref: list, train: list, source: str, thr
                           _masked_mean(trainer, reference, mask), _masked_mean(engine, trainer, mask))
     # a non-finite log-prob on a counted token departs, whatever the mean (the framework's metric zeroes it)
     counted = mask > 0
-    engine_off = a.engine_vs_reference > threshold or not bool(engine[counted].isfinite().all())
-    trainer_off = a.trainer_vs_reference > threshold or not bool(trainer[counted].isfinite().all())
+    a.engine_nonfinite = int((~engine[counted].isfinite()).sum())
+    a.trainer_nonfinite = int((~trainer[counted].isfinite()).sum())
+    engine_off = a.engine_vs_reference > threshold or a.engine_nonfinite > 0
+    trainer_off = a.trainer_vs_reference > threshold or a.trainer_nonfinite > 0
     a.departs = "both" if engine_off and trainer_off else "engine" if engine_off else \
         "trainer" if trainer_off else "none"
     worst = torch.nan_to_num(torch.maximum((engine - reference).abs(), (trainer - reference).abs()), nan=math.inf)

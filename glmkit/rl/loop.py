@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
+from glmkit.inputs import not_a_file
 from glmkit.model.rollout import GREEDY_BELOW
 from glmkit.outputs import (MARKER, RunLock, check_dir_out, check_file_out, is_glmkit_file, is_glmkit_output, mark_file,
                             refuse_input_as_output, refuse_package_paths, refuse_replacing,
@@ -382,9 +383,8 @@ class GRPOTrainer:
         self.dp = dp
         self.lead = dp is None or dp.rank == 0  # the rank that rolls out, writes and syncs
         data = Path(cfg.prompt_data)
-        if not data.is_file():
-            raise ValueError(f"--prompt-data {data}: " + ("is a directory; give a jsonl file" if data.is_dir()
-                                                          else "no such file"))
+        if (why := not_a_file(data)) is not None:
+            raise ValueError(f"--prompt-data {data}: {why}; give a jsonl file")
         dtype = getattr(torch, cfg.dtype)
         self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.checkpoint)
         self.samples, self.problems = load_prompts(cfg.prompt_data, cfg.input_key, cfg.label_key, self.tokenizer,

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import re
 import sys
 import threading
@@ -27,6 +28,10 @@ THINK_END = "</think>"
 RESPONSE_MARK = "###Response"
 DAPO_WINDOW = 300  # DAPO only looks at the tail of a response
 BOX_COMMANDS = ("\\boxed", "\\fbox")
+# answers longer than this are compared as strings only: no final answer is that long, and math-verify's
+# sympy parse of a pathological 200 KB "answer" takes seconds and logs the whole text on a timeout
+MAX_PARSED_ANSWER = 1000
+LOGGED_CHARS = 300  # math-verify's warnings quote the answer; longer ones are cut to this
 
 
 # ----------------------------------------------------------------------------- boxed extraction
@@ -116,9 +121,30 @@ def _timeout_seconds() -> int | None:
     return 5 if threading.current_thread() is threading.main_thread() else None
 
 
+class _ShortRecords(logging.Filter):
+    """Cuts math-verify's log messages (they quote the whole answer) to LOGGED_CHARS."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage()
+        if len(text) > LOGGED_CHARS:
+            record.msg, record.args = f"{text[:LOGGED_CHARS]}... ({len(text)} characters)", None
+        return True
+
+
+_SHORT = _ShortRecords()
+
+
+def _quiet_math_verify_logs() -> None:
+    for name in ("math_verify.parser", "math_verify.grader", "math_verify.metric"):
+        logger = logging.getLogger(name)
+        if _SHORT not in logger.filters:
+            logger.addFilter(_SHORT)
+
+
 def _parse(answer: str):
     from math_verify import parse
 
+    _quiet_math_verify_logs()
     # Bare text is parsed as free-form prose (`10^{3}` -> 10, `\frac12` -> nothing), so the answer
     # goes in as LaTeX math between dollars.
     return parse(f"${answer}$", parsing_timeout=_timeout_seconds())
@@ -134,6 +160,8 @@ def is_equivalent(pred: str | None, label) -> bool:
         return False
     if pred == gold:
         return True
+    if len(pred) > MAX_PARSED_ANSWER or len(gold) > MAX_PARSED_ANSWER:
+        return False
     from math_verify import verify
 
     try:

@@ -1,0 +1,27 @@
+"""What a path given as an input file really is, in words, for errors that name it."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+_KINDS = ((stat.S_ISDIR, "is a directory"), (stat.S_ISFIFO, "is a named pipe (FIFO)"),
+          (stat.S_ISCHR, "is a character device"), (stat.S_ISBLK, "is a block device"),
+          (stat.S_ISSOCK, "is a socket"))
+
+
+def not_a_file(path: str | os.PathLike) -> str | None:
+    """None when `path` is (or links to) a regular file; else why not, e.g. 'is a named pipe (FIFO)'.
+    A pipe or a device would block or never end, so readers refuse them before opening."""
+    path = Path(path)
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        return "is a symbolic link to nothing" if path.is_symlink() else "no such file"
+    except OSError as err:  # a link loop, a name too long, a component that is a file
+        return err.strerror.lower() if err.strerror else str(err)
+    if stat.S_ISREG(mode):
+        return None
+    kind = next((words for test, words in _KINDS if test(mode)), "is not a regular file")
+    return kind + (" (through a symbolic link)" if path.is_symlink() else "")
