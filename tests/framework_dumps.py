@@ -80,10 +80,15 @@ def _trim(site, v):
 
 
 def _sites(capture):
+    """(name, layer_id, site, rows) in dump order. As the shipped patcher configs do, the streams entering
+    layer L are dumped as `layer_input` at L besides `layer_output` at L-1: the same tensor twice."""
+    last = max((layer for layer, _ in capture.tensors if layer is not None), default=-1)
     for (layer, site), rows in sorted(capture.tensors.items(), key=lambda kv: (kv[0][0] is None, kv[0][0] or 0,
                                                                               kv[0][1])):
         if site in NAME_OF and site not in ("logprobs",):
-            yield layer, site, rows
+            yield NAME_OF[site], layer, site, rows
+            if site == "streams_after_ffn" and layer is not None and layer < last:
+                yield "layer_input", layer + 1, site, rows
 
 
 def _shards(site: str, value: torch.Tensor, tp: int, side: str, sharded: set):
@@ -141,11 +146,11 @@ def _engine_steps(capture, prompt_lengths, seqs, rids, cu, mine, ranks, tp, grad
         for kind, source in (("", capture), ("grad__", grads)):
             if source is None:
                 continue
-            for layer, site, values in _sites(source):
+            for name, layer, site, values in _sites(source):
                 dims, parts = _shards(site, _trim(site, values[rows]), tp, "engine", set(sharded))
                 for r, part in zip(ranks, parts):
                     tags = {} if layer is None else {"layer_id": layer}
-                    r.dump(step, kind + NAME_OF[site], part, dims=dims, **tags)
+                    r.dump(step, kind + name, part, dims=dims, **tags)
 
 
 def write_trainer_dump(capture, folder, tp: int = 2, micro_batches: int = 2, sequence_parallel: bool = True,
@@ -177,7 +182,7 @@ def write_trainer_dump(capture, folder, tp: int = 2, micro_batches: int = 2, seq
         for kind, source in (("", capture), ("grad__", grads)):
             if source is None:
                 continue
-            for layer, site, values in _sites(source):
+            for name, layer, site, values in _sites(source):
                 v = _trim(site, values[rows])
                 if site == "indexer_topk":  # _kpool_select's own layout: packed indices of the micro-batch
                     v = torch.where(v >= 0, v + starts[:, None], v).int()
@@ -191,9 +196,9 @@ def write_trainer_dump(capture, folder, tp: int = 2, micro_batches: int = 2, seq
                     dims, parts = _shards(site, v, tp, "trainer", set())
                 for r, part in zip(ranks, parts):
                     tags = {} if layer is None else {"layer_id": layer}
-                    r.dump(step, kind + NAME_OF[site], part, dims=dims, **tags)
+                    r.dump(step, kind + name, part, dims=dims, **tags)
                     if recompute and kind == "" and layer is not None:  # activation recompute dumps again
-                        r.dump(step, NAME_OF[site], part * 0 + 1e6, dims=dims, recompute_status="recompute", **tags)
+                        r.dump(step, name, part * 0 + 1e6, dims=dims, recompute_status="recompute", **tags)
     for name, g in (param_grads or {}).items():
         ranks[0].dump(0, f"grad__param__module.module.{name}", g)
         for r in ranks[1:]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -58,6 +59,28 @@ def test_reads_the_trainer_side_sglangs_dumper_wrote():
     # sequence-parallel halves joined, the 1 squeezed, the micro-batch's 2 padding rows dropped
     torch.testing.assert_close(dump.capture.tensors[(0, "attn_out")], expected, rtol=0, atol=0)
     torch.testing.assert_close(dump.grads.tensors[(0, "attn_out")], expected / 1000, rtol=0, atol=0)
+
+
+def test_gradients_written_by_the_dumpers_backward_hooks_find_their_layers():
+    """enable_grad=1: sglang's hooks name a gradient `grad__attn_output` with no layer_id; the reader gives
+    each one its layer from the backward order (the fixture's chain: layer L's output is scaled by the later
+    layers' factors on the way back; float32 products in autograd's order, so to float32 rounding)."""
+    dump = read_framework_dump(REAL / "fwd_bwd_hooks")
+    target = torch.tensor([[known(r, p, c) for c in range(4)] for r, n in ((0, 5), (1, 3)) for p in range(n)])
+    after = {0: 3.0 * 5.0, 1: 5.0, 2: 1.0}  # make_fixture.HOOK_SCALE of the layers after each
+    assert {layer for layer, _ in dump.grads.tensors} == {0, 1, 2}
+    for layer, factor in after.items():
+        torch.testing.assert_close(dump.grads.tensors[(layer, "attn_out")], target * factor, rtol=2e-7, atol=0)
+    files = [f.name for f in (REAL / "fwd_bwd_hooks" / "rollout_0").glob("*grad__*")]
+    assert files and all("layer_id" not in f for f in files)  # as the dumper wrote them
+
+
+def test_hook_gradients_that_cannot_be_placed_are_refused_with_the_reason(tmp_path):
+    shutil.copytree(REAL / "fwd_bwd_hooks", tmp_path / "d")
+    next((tmp_path / "d" / "rollout_0").glob("step=0___rank=0___*name=grad__attn_output.pt")).unlink()
+    with pytest.raises(ValueError, match=r"step 0 rank 0: 2 gradients grad__attn_output without layer_id for 3 "
+                                         r"layers that dumped attn_output \(\[0, 1, 2\]\)"):
+        read_framework_dump(tmp_path / "d")
 
 
 def test_the_test_writer_follows_the_dumpers_conventions(tmp_path, tiny_ckpt):
@@ -285,7 +308,7 @@ def test_a_cached_prefix_is_named(tmp_path):
 
 
 def test_a_whole_dumper_dir_asks_for_one_side(tmp_path):
-    with pytest.raises(ValueError, match=r"2 dump folders in it .*engines/engine_0.*fwd_bwd/rollout_0"):
+    with pytest.raises(ValueError, match=r"3 dump folders in it .*engines/engine_0.*fwd_bwd/rollout_0"):
         dump_leaves(REAL)
     assert dump_leaves(REAL / "engines") == [REAL / "engines" / "engine_0"]
 

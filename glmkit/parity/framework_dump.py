@@ -410,6 +410,34 @@ def _dp_group(meta: dict) -> str:
     return ""
 
 
+def _place_hook_gradients(records: list, where: str) -> None:
+    """Give layer_id to gradients written by the dumper's backward hooks. Such a file carries only the name
+    and the dump call's own keywords (sglang dumper `_register_dump_grad_hook`), not the layer context the
+    forward value had. Backward runs from the last layer to the first, so on one rank in one step the k-th
+    `grad__<name>` to fire (by dump_index) belongs to the k-th highest layer that dumped `<name>` (with
+    activation recompute too: a layer is recomputed just before its own backward)."""
+    layers, grads = defaultdict(set), defaultdict(list)
+    for r in records:
+        key = (r.file.parent, r.tags["step"], r.tags["rank"])
+        name = str(r.tags["name"])
+        if name.startswith("grad__") and not name.startswith("grad__param__"):
+            if "layer_id" not in r.tags:
+                grads[key + (name[len("grad__"):],)].append(r)
+        elif r.tags.get("layer_id") is not None:
+            layers[key + (name,)].add(r.tags["layer_id"])
+    for key, recs in grads.items():
+        forward = sorted(layers.get(key, ()), reverse=True)
+        if not forward:
+            continue  # a site without layers (final_hidden_states, logits)
+        if len(forward) != len(recs):
+            raise ValueError(f"{where}: step {key[1]} rank {key[2]}: {len(recs)} gradients grad__{key[3]} without "
+                             f"layer_id for {len(forward)} layers that dumped {key[3]} ({sorted(forward)}); a "
+                             f"gradient's layer cannot be told (pass layer_id= in the dump call, or dump one "
+                             f"micro-batch per step)")
+        for layer, r in zip(forward, sorted(recs, key=lambda r: r.tags.get("dump_index", 0))):
+            r.tags["layer_id"] = layer
+
+
 def read_framework_dump(path) -> FrameworkDump:
     """A dump folder (or an engines/ folder of several engines) -> FrameworkDump. Sequences are ordered by
     first appearance; each token row is placed by (request or packed sequence, position)."""
@@ -421,6 +449,7 @@ def read_framework_dump(path) -> FrameworkDump:
     for leaf in leaves:
         files = sorted(leaf.glob("*.pt"))
         records += [_load(f) for f in files if f.name.startswith("step=")]
+    _place_hook_gradients(records, str(root))
     engine_tag = {leaf: f"{leaf.name}/" if len(leaves) > 1 else "" for leaf in leaves}
     fields, sites = defaultdict(dict), defaultdict(list)
     not_read, side, other_modules = set(), None, 0
@@ -509,6 +538,9 @@ def read_framework_dump(path) -> FrameworkDump:
                     param_grads[f"{key[1]} (rank {r.tags['rank']})"] = r.value
             continue
         kind, (layer, site), step = key
+        if len({str(r.tags["name"]) for r in recs}) > 1:
+            # `layer_input` of layer L is `layer_output` of L-1 (the shipped configs dump both): one is kept
+            recs = [r for r in recs if str(r.tags["name"]).removeprefix("grad__") != LAYER_INPUT] or recs
         label = f"{'grad of ' if kind == 'grad' else ''}{site} layer {layer} step {step[1]}"
         by_rank = defaultdict(list)
         for r in recs:

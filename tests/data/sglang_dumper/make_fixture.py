@@ -96,7 +96,40 @@ def trainer(D, out):
         d.set_ctx(layer_id=None)
 
 
+HOOK_LAYERS, HOOK_SCALE = 3, (2.0, 3.0, 5.0)
+
+
+def trainer_grad_hooks(D, out):
+    """A forward-backward step whose gradients the dumper's own backward hooks write (enable_grad=True):
+    they carry no layer_id (sglang `_register_dump_grad_hook`). Each rank runs its sequence-parallel rows
+    through a chain of layers, layer L multiplying by HOOK_SCALE[L] and dumping its output as attn_output;
+    the loss is the sum of the last output times value(r, p, c). So the gradient at layer L's output is
+    value(r, p, c) times the scales of the layers after it, and the hooks fire from the last layer to the
+    first, as in a real model's backward."""
+    tokens = [11, 12, 13, 14, 15, 21, 22, 23]
+    target = rows([(0, list(range(5))), (1, list(range(3)))])
+    for rank in range(TP):
+        info = {"tp_rank": rank, "tp_size": TP, "pp_rank": 0, "pp_size": 1, "dp_rank": 0, "dp_size": 1, "cp_rank": 0,
+                "cp_size": 1, "ep_rank": rank, "ep_size": TP, "sp_rank": rank, "sp_size": TP}
+        d = instance(D, rank, "megatron_parallel_info", info, dir=out, exp_name="fwd_bwd_hooks/rollout_0",
+                     enable_grad=True)
+        d.dump("input_ids", torch.tensor([tokens]))
+        d.dump("position_ids", torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2]]))
+        d.dump("cu_seqlens_q", torch.tensor([0, 5, 8], dtype=torch.int32))
+        d.dump("cu_seqlens_kv", torch.tensor([0, 5, 8], dtype=torch.int32))
+        d.dump("qkv_format", "thd")
+        h = torch.ones(8, HIDDEN).unsqueeze(1).chunk(TP, dim=0)[rank].clone().requires_grad_()
+        for layer in range(HOOK_LAYERS):
+            d.set_ctx(layer_id=layer)
+            h = h * HOOK_SCALE[layer]
+            d.dump("attn_output", h, dims="t[sp] 1 h")
+            d.set_ctx(layer_id=None)
+        (h * target.unsqueeze(1).chunk(TP, dim=0)[rank]).sum().backward()
+        d.step()
+
+
 if __name__ == "__main__":
     D = load_dumper(sys.argv[1])
     engine(D, sys.argv[2])
     trainer(D, sys.argv[2])
+    trainer_grad_hooks(D, sys.argv[2])
