@@ -245,7 +245,8 @@ def _parity(args) -> int:
     if result.logprob is not None:
         print(f"logprob abs diff (train/train_rollout_logprob_abs_diff definition): {result.logprob.value:.3e}")
     first = result.first_divergence
-    print("verdict: pass" if first is None else
+    not_compared = f" ({len(result.skipped_sites)} sites not compared: see the warnings)" if result.skipped_sites else ""
+    print(f"verdict: pass{not_compared}" if first is None else
           f"verdict: fail, first divergence at layer {first.layer}, site {first.site} "
           + (f"({first.nan} NaN and {first.inf} Inf values)" if getattr(first, "nan", 0) or getattr(first, "inf", 0)
              else f"(rel RMS {first.rel_rms}, identical {first.identical})"))

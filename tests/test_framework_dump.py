@@ -27,7 +27,7 @@ from glmkit.parity.departure import capture_gradients, parameter_key
 from glmkit.parity.framework_dump import dump_leaves, parse_dims, read_framework_dump
 from glmkit.reference import load_reference
 from tests.conftest import reference_checkpoint
-from tests.framework_dumps import write_engine_dump, write_trainer_dump
+from tests.framework_dumps import DumperFiles, sglang_info, write_engine_dump, write_trainer_dump
 from tests.test_parity import altered, glmkit_cli
 from tests.test_ties import TIE_CONFIGS
 
@@ -379,3 +379,38 @@ def test_module_outputs_of_the_all_mode_are_read_by_their_module_paths(tiny, tmp
     for site in ("attn_out", "mlp_in"):
         torch.testing.assert_close(dump.capture.tensors[(1, site)], cap.tensors[(1, site)], rtol=0, atol=0)
     assert any("1 module inputs/outputs" in n for n in dump.not_read)
+
+
+def _slot_engine(folder, with_rids=(True, True, True, True)):
+    """One engine rank, requests known by slot: A (tokens 11..14) in slot 1, then B (21, 22) in the same
+    slot once A is done; attn_output of a row is 100 * request + position."""
+    r = DumperFiles(folder / "engines" / "engine_0", 0, 1, "sglang_parallel_info", sglang_info(0, 1))
+    steps = [("A", [0, 1, 2]), ("A", [3]), ("B", [0, 1]), ("B", [2])]
+    tokens = {"A": [11, 12, 13, 14], "B": [21, 22, 23]}
+    for step, ((request, positions), rids) in enumerate(zip(steps, with_rids)):
+        r.dump(step, "input_ids", torch.tensor([tokens[request][p] for p in positions]))
+        r.dump(step, "positions", torch.tensor(positions))
+        r.dump(step, "seq_lens", torch.tensor([positions[-1] + 1]))
+        r.dump(step, "req_pool_indices", torch.tensor([1]))
+        if rids:
+            r.dump(step, "rids", [f"rid-{request}"])
+        value = torch.tensor([[100.0 * (request == "B") + p] for p in positions])
+        r.dump(step, "attn_output", value, dims="t h", layer_id=0)
+    return folder / "engines"
+
+
+def test_without_rids_a_reused_slot_holds_a_new_request(tmp_path):
+    """SGLang gives a finished request's req_pool_indices slot to the next one: without rids, a slot that
+    starts again at position 0 is a new request (found by the unseen-dump check)."""
+    dump = read_framework_dump(_slot_engine(tmp_path, with_rids=(False,) * 4))
+    cap = dump.capture
+    assert cap.lengths == [4, 3] and cap.input_ids.tolist() == [11, 12, 13, 14, 21, 22, 23]
+    assert cap.tensors[(0, "attn_out")].flatten().tolist() == [0, 1, 2, 3, 100, 101, 102]
+    with_rids = read_framework_dump(_slot_engine(tmp_path / "r"))
+    assert with_rids.capture.lengths == [4, 3]
+
+
+def test_rids_missing_in_some_steps_are_named_not_blamed_on_the_prefix_cache(tmp_path):
+    with pytest.raises(ValueError, match=r"engine steps \[2\] have no rids \(or not one per request\) while other "
+                                         r"steps do"):
+        read_framework_dump(_slot_engine(tmp_path, with_rids=(True, True, False, True)))

@@ -213,3 +213,25 @@ def test_a_site_with_nan_is_shown_as_non_finite_not_as_agreeing(ckpt, tmp_path):
     save_file(tensors, str(capture / "tensors.safetensors"), metadata={"format": FORMAT})
     bad = glmkit_cli("parity", "--checkpoint", ckpt, "--paths", f"reference,{capture}")
     assert bad.returncode == 2 and "input/ids holds token 1000000, outside the checkpoint's vocabulary" in bad.stderr
+
+
+def test_sites_not_compared_are_said_not_passed_silently():
+    """Dumps (skip_mismatched): a site one side lacks and a site whose shapes differ (a wrong dims
+    annotation unshards to 4x the width) are warned by name, and the result lists them as skipped."""
+    from glmkit.parity.compare import compare
+    from glmkit.parity.dump import Capture
+
+    ids, cu = torch.arange(6), torch.tensor([0, 6])
+    a = Capture(ids, cu, manifest={"path": "engine dump"})
+    b = Capture(ids, cu, manifest={"path": "trainer dump"})
+    for cap in (a, b):
+        cap.put(0, "attn_out", torch.ones(6, 8))
+    a.put(1, "streams_after_ffn", torch.ones(6, 2, 8))
+    b.put(1, "streams_after_ffn", torch.ones(6, 8, 8))
+    b.put(1, "mlp_out", torch.ones(6, 8))
+    result = compare(a, b, skip_mismatched=True)
+    assert result.verdict == "pass" and [s.site for s in result.sites] == ["attn_out"]
+    assert result.skipped_sites == ["1/mlp_out", "1/streams_after_ffn (shapes [6, 2, 8] vs [6, 8, 8])"]
+    assert "only trainer dump has 1/mlp_out: not compared" in result.warnings
+    assert ("layer 1 streams_after_ffn: shapes [6, 2, 8] vs [6, 8, 8], not compared (a dump's dims annotation "
+            "that does not match the model?)") in result.warnings

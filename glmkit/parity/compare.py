@@ -239,6 +239,16 @@ def compare(a: Capture, b: Capture, dtype: str = "float32", thresholds: dict | N
     kpools = {c.manifest.get("index_kpool") for c in (a, b)} - {None}
     kpool = next(iter(kpools)) if len(kpools) == 1 else None
     warnings = []
+    one_side = {name: sorted(set(mine) - set(theirs), key=lambda k: site_order(k, backward))
+                for name, mine, theirs in ((a.manifest.get("path", "a"), a.tensors, b.tensors),
+                                           (b.manifest.get("path", "b"), b.tensors, a.tensors))}
+    for name, keys in one_side.items():
+        if keys and skip_mismatched:  # captures of different kinds (a dump, a path): what one lacks is said
+            shown = ", ".join(f"{k[0]}/{k[1]}" for k in keys[:8]) + (f", ... ({len(keys)} in all)" if len(keys) > 8 else "")
+            warnings.append(f"only {name} has {shown}: not compared")
+    if skip_mismatched:
+        warnings += [f"layer {k[0]} {k[1]}: shapes {list(a.tensors[k].shape)} vs {list(b.tensors[k].shape)}, not "
+                     f"compared (a dump's dims annotation that does not match the model?)" for k in mismatched]
     # a path that reports no hidden states (a server: log-probs, experts, selections) is judged on its
     # log-probs; elsewhere they are the diff metric only, the hidden sites before them carry the verdict
     judge_logprobs = not [k for k in common if k[1] not in (*INDEX_SITES, *AUX_SITES, "logprobs")]

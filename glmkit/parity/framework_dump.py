@@ -212,7 +212,10 @@ def _unshard(records: list, where: str) -> torch.Tensor:
             raise ValueError(f"{where}: {len(records)} ranks dumped different values and it has no dims to say "
                              f"how they combine (dump it with dims=...)")
         return nonempty[0]
-    dims, replicated, dp_alias = parse_dims(dims_text)
+    try:
+        dims, replicated, dp_alias = parse_dims(dims_text)
+    except ValueError as err:
+        raise ValueError(f"{records[0].file}: {err}") from None
     pieces = [(_parallel(r.meta), r.value) for r in records]
     for r, (_, v) in zip(records, pieces):
         if not isinstance(v, torch.Tensor):
@@ -287,6 +290,42 @@ def _unshard(records: list, where: str) -> torch.Tensor:
 
 # --- rows: which (sequence, position) each token row of a step is -------------------------------------------
 
+SLOT = "slot"  # a request known only by its req_pool_indices slot (no rids dumped)
+
+
+def _has_rids(fields: dict) -> bool:
+    names, seq_lens = fields.get("rids"), fields.get("seq_lens")
+    return isinstance(names, (list, tuple)) and seq_lens is not None and len(names) == seq_lens.numel()
+
+
+def _requests_by_slot(rows_of: dict, batch: dict, where: str) -> None:
+    """Without rids a request is its req_pool_indices slot, and SGLang gives a finished request's slot to
+    the next one: a slot that starts again at position 0 holds a new request (`slot4#2`). Steps of one
+    engine stream either all have rids or none do; a mix cannot be matched and is refused by step."""
+    streams = defaultdict(list)
+    for step in sorted(rows_of):
+        if "seq_lens" in batch[step]:
+            streams[step[0]].append(step)
+    for stream, steps in streams.items():
+        named = [s for s in steps if _has_rids(batch[s])]
+        if not named:
+            generation = {}
+            for step in steps:
+                rows = rows_of[step][0]
+                for i, row in enumerate(rows):
+                    if row is None:
+                        continue
+                    slot, pos = row
+                    if pos == 0 or slot not in generation:
+                        generation[slot] = generation.get(slot, 0) + 1
+                    rows[i] = (f"{slot}#{generation[slot]}", pos)
+        elif len(named) != len(steps):
+            missing = sorted(s[1] for s in steps if s not in named)
+            raise ValueError(f"{where}: engine steps {missing[:8]}{' ...' if len(missing) > 8 else ''} have no rids "
+                             f"(or not one per request) while other steps do: their rows cannot be matched to "
+                             f"requests (keep the dumper's non_intrusive_mode=core for every step)")
+
+
 def _rows_of_step(fields: dict, step: int, where: str) -> tuple[list, list]:
     """-> ((sequence id, position) of each token row, packed start of each row's sequence in the step)."""
     ids = fields.get("input_ids")
@@ -302,11 +341,11 @@ def _rows_of_step(fields: dict, step: int, where: str) -> tuple[list, list]:
             raise ValueError(f"{where}: step {step} has seq_lens but no positions")
         positions, seq_lens = positions.reshape(-1).tolist(), fields["seq_lens"].reshape(-1).tolist()
         names = fields.get("rids")
-        if not isinstance(names, (list, tuple)) or len(names) != len(seq_lens):
+        if not _has_rids(fields):
             pool = fields.get("req_pool_indices")
             if pool is None:
                 raise ValueError(f"{where}: step {step}: no rids and no req_pool_indices to tell requests apart")
-            names = [f"slot{int(x)}" for x in pool.reshape(-1).tolist()]
+            names = [f"{SLOT}{int(x)}" for x in pool.reshape(-1).tolist()]
         rows, starts, r = [], [], 0
         for name, total in zip(names, seq_lens):
             if r >= n:
@@ -497,6 +536,7 @@ def read_framework_dump(path) -> FrameworkDump:
         if "input_ids" in f:
             rows, starts = _rows_of_step(f, step[1], f"{where} {step[0]}".strip())
             rows_of[step] = ([None if r is None else (step[0] + r[0], r[1]) for r in rows], starts)
+    _requests_by_slot(rows_of, batch, where)
     tokens, order = defaultdict(dict), []
     for step in sorted(rows_of):
         for row, token in zip(rows_of[step][0], batch[step]["input_ids"].reshape(-1).tolist()):
