@@ -220,7 +220,13 @@ def _parity(args) -> int:
         from glmkit.parity.dump import read_selections
 
         replay_from = read_selections(args.replay_topk_from, open_checkpoint(args.checkpoint).config)
-    if args.gradients:
+    from glmkit.parity.framework_dump import is_framework_dump
+
+    dumps = [is_framework_dump(p) for p in paths]
+    if args.gradients and any(dumps) and not all(dumps):
+        raise ValueError(f"--gradients with --paths {','.join(paths)}: gradients compare two dumps of a "
+                         f"forward-backward phase, or the paths reference,train")
+    if args.gradients and not any(dumps):
         from glmkit.parity.builtin import gradient_parity
 
         acts, params = gradient_parity(args.checkpoint, paths, args.seq_len, args.batch, args.dtype, args.device,
@@ -252,6 +258,9 @@ def _parity(args) -> int:
              else f"(rel RMS {first.rel_rms}, identical {first.identical})"))
     if result.departure is not None:
         print(f"departure: {result.departure.text}")
+    if args.gradients and result.gradients is None:
+        raise ValueError(f"--gradients: the dumps {','.join(paths)} hold no gradients of the same sites (dump a "
+                         f"forward-backward phase with --dumper-fwd-bwd enable_grad=1)")
     if result.gradients is not None or result.parameter_gradients is not None:
         print(_gradient_lines(result.gradients, result.parameter_gradients))
     if args.json:
@@ -276,6 +285,9 @@ def _gradient_lines(acts, params) -> str:
                      ("pass" if f is None else f"fail, first divergence in the backward order at layer {f.layer} "
                                                f"{f.site} (rel RMS {f.rel_rms:.3e})"))
         lines += [f"  {w}" for w in r.warnings[:1]]
+        if r.departure is not None:
+            lines.append(f"  departure: {r.departure.text}")
+        lines += [f"  warning: {w}" for w in r.warnings[1:] if w.startswith("no third path")]
     return "\n".join(lines)
 
 

@@ -190,9 +190,15 @@ def test_ties_are_reported_as_ties_with_scores_recomputed_from_the_checkpoint(tm
 
 
 def test_gradients_first_divergence_in_backward_order(tiny):
+    """The trainer stand-in is glmkit's train path with a loss of its own (any loss: given by its gradient
+    at the logits, which the dump holds as grad__logits); the third path, the reference, runs the same loss
+    from each side's grad__logits, so the verdict names the side whose backward departs."""
     ckpt, seqs, prompts, path = tiny
-    grads, params = capture_gradients("train", ckpt, seqs)
-    assert grads.manifest["loss"].startswith("mean over predicted tokens")
+    config = open_checkpoint(ckpt).config
+    upstream = torch.randn(sum(map(len, seqs)), config.vocab_size, generator=torch.Generator().manual_seed(5)) / 100
+    grads, params = capture_gradients("train", ckpt, seqs, logits_grad=upstream)
+    assert "gradient at the logits" in grads.manifest["loss"]
+    torch.testing.assert_close(grads.tensors[(None, "logits")], upstream, rtol=0, atol=0)
     cap = capture_train(load_model(ckpt, torch.float32, "cpu"), seqs)
     good = write_trainer_dump(cap, path / "g-ok", phase="fwd_bwd", grads=grads, param_grads=params)
     # a backward bug at layer 2's attention: that gradient and every one the backward computes after it
@@ -211,6 +217,27 @@ def test_gradients_first_divergence_in_backward_order(tiny):
     assert "loss" in g.warnings[0]
     p = result.parameter_gradients
     assert p.verdict == "fail" and p.first_divergence.layer == 1
+    # against the reference's backward of the same loss: B departs there, A stays within (fp32 floor ~1e-4)
+    d = g.departure
+    assert (d.side, d.layer, d.site) == ("b", 2, "attn_out"), d.text
+    assert g.versus_third["a"].verdict == "pass" and "stays within" in d.text
+    # as a user runs it (--gradients is accepted with dumps; a dump without gradients is refused by name)
+    out = glmkit_cli("parity", "--checkpoint", ckpt, "--paths", f"{good},{bad}", "--gradients")
+    assert out.returncode == 1, out.stderr
+    assert re.search(r"activation gradients: \d+ compared, 0 skipped; fail, first divergence in the backward order "
+                     r"at layer 2 attn_out", out.stdout), out.stdout
+    assert re.search(r"departure: B \S+g-bad\S+ gradients departs from reference first, at layer 2 attn_out; the other "
+                     r"side \(A \S+g-ok\S+ gradients\) stays within", out.stdout), out.stdout
+    values_only = write_trainer_dump(cap, path / "g-values")
+    out = glmkit_cli("parity", "--checkpoint", ckpt, "--paths", f"{good},{values_only}", "--gradients")
+    assert out.returncode == 2 and "--gradients: the dumps" in out.stderr and "hold no gradients" in out.stderr
+    # without grad__logits there is no loss to give the third path: said, A and B compared alone
+    for folder in (good, bad):
+        for f in folder.glob("*name=grad__logits*"):
+            f.unlink()
+    result, _, _ = parity(ckpt, (str(good), str(bad)))
+    assert result.gradients.departure is None and result.gradients.first_divergence.layer == 2
+    assert any(w.startswith("no third path for gradients") and "grad__logits" in w for w in result.gradients.warnings)
 
 
 def test_gradient_parity_train_against_reference(tiny):

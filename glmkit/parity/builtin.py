@@ -76,6 +76,34 @@ def load_dir(path):
 THIRD_PATHS = ("reference", "train", "none")
 
 
+def _gradient_departure(result, full, aligned, third, checkpoint, dtype, device, backends, thresholds) -> None:
+    """The third path's gradients for each side's own loss, given by that side's gradient at the logits
+    (`grad__logits`), and which side departs first in the backward order. Gradients at a position depend
+    on the later tokens, so this needs both dumps on whole, identical sequences; otherwise it says why not."""
+    from glmkit.parity.departure import GRADIENT_THRESHOLDS, capture_gradients, conform, departure, sequences_of
+
+    missing = [g.manifest.get("path", "?") for g in aligned if (None, "logits") not in g.tensors]
+    if missing:
+        result.warnings.append(f"no third path for gradients: {', '.join(missing)} dumped no grad__logits (dump "
+                               f"logits with enable_grad=1): A and B are compared with each other only")
+        return
+    if any(sequences_of(g) != sequences_of(f) for g, f in zip(aligned, full)):
+        result.warnings.append("no third path for gradients: the two dumps do not hold the same whole sequences "
+                               "(a position's gradient depends on the tokens after it)")
+        return
+    limits = {**GRADIENT_THRESHOLDS[dtype], **(thresholds or {})}
+    versus = {}
+    for side, grads in zip("ab", aligned):
+        ref, _ = capture_gradients(third, checkpoint, sequences_of(grads), getattr(torch, dtype), device, backends,
+                                   logits_grad=grads.tensors[(None, "logits")])
+        ref.manifest["path"] = third
+        versus[side] = compare(conform(grads, ref), ref, dtype, limits, backward=True, skip_mismatched=True)
+    result.versus_third = versus
+    result.departure = departure(versus["a"], versus["b"], result, backward=True)
+    result.warnings.append(f"third path: the {third}'s backward from each side's own grad__logits (the same loss as "
+                           f"that side's)")
+
+
 def dump_parity(checkpoint, path_a: str, path_b: str, third: str = "reference", dtype: str = "float32",
                 device: str = "cpu", backends=None, thresholds: dict | None = None):
     """Two dump directories (framework dumps or captures) lined up token by token and compared, and, with
@@ -127,10 +155,15 @@ def dump_parity(checkpoint, path_a: str, path_b: str, third: str = "reference", 
     # gradients sit on the same rows as the values: the same alignment
     ga, gb = align(da.grads, db.grads)[:2] if da.grads.tensors and db.grads.tensors else (None, None)
     if ga is not None:
+        ga.manifest["path"], gb.manifest["path"] = (f"{c.manifest['path']} gradients" for c in (cap_a, cap_b))
         result.gradients = compare(ga, gb, dtype, {**GRADIENT_THRESHOLDS[dtype], **(thresholds or {})},
                                    backward=True, skip_mismatched=True)
         result.gradients.warnings.insert(0, "loss: the framework's own training loss of the dumped step (a "
                                             "forward-backward phase); both dumps must come from the same loss")
+        if model is not None:
+            model = None  # the third path's gradients load their own copy
+            _gradient_departure(result.gradients, (da.grads, db.grads), (ga, gb), third, checkpoint, dtype, device,
+                                backends, thresholds)
     if da.param_grads and db.param_grads:
         pa = parameter_capture(da.param_grads, {"path": cap_a.manifest["path"] + " parameter gradients"})
         pb = parameter_capture(db.param_grads, {"path": cap_b.manifest["path"] + " parameter gradients"})

@@ -226,8 +226,11 @@ def parameter_capture(param_grads: dict, manifest: dict) -> Capture:
     return cap
 
 
-def capture_gradients(path: str, checkpoint, sequences, dtype=torch.float32, device="cpu", backends=None):
-    """glmkit's train path or the reference, run with gradients on `sequences` for GRADIENT_LOSS.
+def capture_gradients(path: str, checkpoint, sequences, dtype=torch.float32, device="cpu", backends=None,
+                      logits_grad: torch.Tensor | None = None):
+    """glmkit's train path or the reference, run with gradients on `sequences` for GRADIENT_LOSS, or, with
+    `logits_grad` [T, V] (the rows of `sequences` end to end), for whatever loss has that gradient at the
+    logits: a framework dump's `grad__logits` stands for its own training loss that way.
     -> (activation-gradient Capture at every site that carries one, {parameter name: gradient})."""
     from glmkit.model.packed import pack
     from glmkit.model.train import next_token_targets, token_logprobs
@@ -255,10 +258,13 @@ def capture_gradients(path: str, checkpoint, sequences, dtype=torch.float32, dev
 
         model = load_model(checkpoint, dtype, device)
         ids, on_device = pack(sequences, device=model.device)
-        out = TrainPath(model, backends).forward(input_ids=ids, packed=on_device,
+        out = TrainPath(model, backends).forward(input_ids=ids, packed=on_device, return_logits=logits_grad is not None,
                                                  record=keeper(torch.arange(len(input_ids)), False))
-        mask = out.targets >= 0
-        (-(out.logprobs[mask]).sum() / max(1, predicted)).backward()
+        if logits_grad is not None:
+            out.logits.backward(logits_grad.to(out.logits.device, out.logits.dtype))
+        else:
+            mask = out.targets >= 0
+            (-(out.logprobs[mask]).sum() / max(1, predicted)).backward()
         config, params = model.config, model
     elif path == "reference":
         from glmkit.parity.capture import hook_reference_layer
@@ -272,16 +278,20 @@ def capture_gradients(path: str, checkpoint, sequences, dtype=torch.float32, dev
             hooks.append(text.norm.register_forward_hook(lambda m, a, o: keep(None, "final_hidden", o)))
             try:
                 logits = ref(input_ids=input_ids[s:e][None].to(ref.device)).logits[0].float()
-                lp = token_logprobs(logits, targets[s:e].to(logits.device))
-                mask = (targets[s:e] >= 0).to(lp.device)
-                (-(lp[mask]).sum() / max(1, predicted)).backward()
+                if logits_grad is not None:
+                    logits.backward(logits_grad[s:e].to(logits.device, logits.dtype))
+                else:
+                    lp = token_logprobs(logits, targets[s:e].to(logits.device))
+                    mask = (targets[s:e] >= 0).to(lp.device)
+                    (-(lp[mask]).sum() / max(1, predicted)).backward()
             finally:
                 for h in hooks:
                     h.remove()
     else:
         raise ValueError(f"gradients are captured on the train path or the reference; got {path!r}")
+    loss = GRADIENT_LOSS if logits_grad is None else "the dump's own loss, through its gradient at the logits"
     capture = Capture(input_ids, packed.cu_seqlens.cpu(),
-                      manifest=_manifest(f"{path} gradients", config, dtype, device, loss=GRADIENT_LOSS,
+                      manifest=_manifest(f"{path} gradients", config, dtype, device, loss=loss,
                                          checkpoint=str(checkpoint)))
     for key, parts in pieces.items():
         rows = torch.cat([r for r, _ in parts])
@@ -291,5 +301,7 @@ def capture_gradients(path: str, checkpoint, sequences, dtype=torch.float32, dev
         full = torch.empty_like(values)
         full[rows] = values
         capture.put(key[0], key[1], full)
+    if logits_grad is not None:  # the gradient at the logits is the one given
+        capture.put(None, "logits", logits_grad.float())
     param_grads = {n: p.grad.detach().float().cpu() for n, p in params.named_parameters() if p.grad is not None}
     return capture, param_grads
