@@ -25,3 +25,12 @@ def not_a_file(path: str | os.PathLike) -> str | None:
         return None
     kind = next((words for test, words in _KINDS if test(mode)), "is not a regular file")
     return kind + (" (through a symbolic link)" if path.is_symlink() else "")
+
+
+def read_marker(path: str | os.PathLike, limit: int = 256) -> str:
+    """The text of a small marker file (an iteration number, 'release'), stripped; at most `limit` bytes
+    are read. A pipe or device in its place is refused by what it is (reading one blocks or never ends)."""
+    if (why := not_a_file(path)) is not None:
+        raise ValueError(f"{path}: {why}; expected a small text file")
+    with open(path, "rb") as f:
+        return f.read(limit).decode("utf-8", errors="replace").strip()

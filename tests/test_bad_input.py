@@ -684,3 +684,25 @@ def test_pipes_devices_and_dangling_links_are_named_for_what_they_are(tmp_path, 
     out = glmkit("rollout-data", tmp_path / "to_zero", "--checkpoint", tiny_ckpt)
     assert error(out) == (f"glmkit rollout-data: error: {tmp_path / 'to_zero'}: is a character device (through a "
                           f"symbolic link); rollout data is one .pt file")
+
+
+def test_a_marker_file_that_is_a_device_or_pipe_is_refused_not_read(tmp_path):
+    """latest_checkpointed_iteration.txt pointing at /dev/zero, or a FIFO in its place: reading either
+    never ends (found by the hostile pass: --resume hung). Refused by what it is."""
+    from glmkit.checkpoint import CheckpointError
+    from glmkit.checkpoint.torch_dist import resolve_dir
+    from glmkit.inputs import read_marker
+
+    (tmp_path / "zero.txt").symlink_to("/dev/zero")
+    os.mkfifo(tmp_path / "pipe.txt")
+    (tmp_path / "ok.txt").write_text(" 12\n" + "x" * 10_000)
+    with pytest.raises(ValueError, match=r"zero.txt: is a character device \(through a symbolic link\)"):
+        read_marker(tmp_path / "zero.txt")
+    with pytest.raises(ValueError, match=r"pipe.txt: is a named pipe \(FIFO\)"):
+        read_marker(tmp_path / "pipe.txt")
+    assert read_marker(tmp_path / "ok.txt", limit=8) == "12\nxxxx"
+    ckpt = tmp_path / "torch_dist"
+    ckpt.mkdir()
+    (ckpt / "latest_checkpointed_iteration.txt").symlink_to("/dev/zero")
+    with pytest.raises(CheckpointError, match="is a character device"):
+        resolve_dir(ckpt)

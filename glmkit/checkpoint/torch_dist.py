@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from glmkit.checkpoint.hf import CheckpointError
+from glmkit.inputs import read_marker
 
 TRACKER = "latest_checkpointed_iteration.txt"
 # Exactly these classes (by module and plain name; a dotted name, which pickle protocol 4 resolves
@@ -96,9 +97,12 @@ def resolve_dir(path) -> Path:
     if (path / ".metadata").is_file():
         return path
     tracker = path / TRACKER
-    if not tracker.is_file():
+    if not (tracker.exists() or tracker.is_symlink()):
         raise CheckpointError(f"{path}: no .metadata and no {TRACKER}: not a torch_dist checkpoint")
-    text = tracker.read_text(errors="replace").strip()
+    try:
+        text = read_marker(tracker)
+    except ValueError as err:
+        raise CheckpointError(str(err)) from None
     if text == "release":
         folder = path / "release"
     elif re.fullmatch(r"\d{1,12}", text):

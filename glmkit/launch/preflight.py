@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from glmkit.inputs import not_a_file
+from glmkit.inputs import not_a_file, read_marker
 from glmkit.launch.shapes import Shape, pipeline_split
 
 GIB = 2 ** 30
@@ -256,9 +256,12 @@ def torch_dist_check(model: str, ckpt_dir, layers: int | None = None) -> Check:
     if not root.is_dir():
         return Check(name, False, f"{root} not found: run the conversion command first")
     tracker = root / "latest_checkpointed_iteration.txt"
-    if not tracker.is_file():
+    if not (tracker.exists() or tracker.is_symlink()):
         return Check(name, False, f"{tracker} not found (an interrupted conversion?)")
-    mark = tracker.read_text(errors="replace").strip()
+    try:
+        mark = read_marker(tracker)
+    except ValueError as err:
+        return Check(name, False, str(err))
     if mark == "release":
         folder = root / "release"
     elif mark.isdigit():

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from glmkit.inputs import not_a_file
+from glmkit.inputs import not_a_file, read_marker
 from glmkit.model.rollout import GREEDY_BELOW
 from glmkit.outputs import (MARKER, RunLock, check_dir_out, check_file_out, is_glmkit_file, is_glmkit_output, mark_file,
                             refuse_input_as_output, refuse_package_paths, refuse_replacing,
@@ -175,9 +175,9 @@ def _save_checkpoint(cfg, step: int, policy, optimizer, lora_names) -> Path:
 
 def _latest(cfg) -> Path | None:
     marker = Path(cfg.save) / "latest_checkpointed_iteration.txt" if cfg.save else None
-    if marker is None or not marker.exists():
+    if marker is None or not (marker.exists() or marker.is_symlink()):
         return None
-    text = marker.read_text(errors="replace").strip()
+    text = read_marker(marker)
     if not (text.isascii() and text.isdigit()):
         raise ValueError(f"{marker}: expected the latest iteration number, found {text[:40]!r}; --resume cannot tell "
                          f"which checkpoint to continue from (write the number of an iter_* directory there)")
