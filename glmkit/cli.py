@@ -1085,13 +1085,36 @@ def _answer_failure(command: str, err: Exception) -> int:
                             ConnectionError)):
             print(_error_text(command, err), file=sys.stderr)
             return EXIT_BAD_INPUT
-        return _internal_error(command, err)
+        return _wrapped_environment_error(command, err) or _internal_error(command, err)
     if isinstance(err, (CheckpointError, ValueError, ImportError)):
         if isinstance(err, ValueError) and not isinstance(err, CheckpointError) and not _raised_by_glmkit(err):
-            return _internal_error(command, err)  # a library's ValueError: not the user's input
+            return _wrapped_environment_error(command, err) or _internal_error(command, err)
         print(_error_text(command, err), file=sys.stderr)
         return EXIT_BAD_INPUT
-    return _internal_error(command, err)
+    return _wrapped_environment_error(command, err) or _internal_error(command, err)
+
+
+def _wrapped_environment_error(command: str, err: BaseException) -> int | None:
+    """A library's own error around an OS one (safetensors' Rust `... (os error 28)`, torch.save's
+    `file write failed`): the environment's (exit 4) when the OS error is one, else None."""
+    import re
+
+    seen, chain = set(), err
+    while chain is not None and id(chain) not in seen:
+        seen.add(id(chain))
+        if isinstance(chain, OSError) and chain.errno is not None and _environment_error(chain):
+            code = chain.errno
+            break
+        found = re.search(r"\(os error (\d+)\)", str(chain))
+        if found and _environment_error(OSError(int(found.group(1)), "")):
+            code = int(found.group(1))
+            break
+        chain = chain.__cause__ or chain.__context__
+    else:
+        return None
+    print(f"glmkit {command}: environment error: {os.strerror(code)} ({type(err).__name__}; nothing half-written is "
+          f"left in place)", file=sys.stderr)
+    return EXIT_ENVIRONMENT
 
 
 # The CLI's error contract: 0 done, 1 a run that fails its check, 2 bad input (one line naming it),

@@ -706,3 +706,27 @@ def test_a_marker_file_that_is_a_device_or_pipe_is_refused_not_read(tmp_path):
     (ckpt / "latest_checkpointed_iteration.txt").symlink_to("/dev/zero")
     with pytest.raises(CheckpointError, match="is a character device"):
         resolve_dir(ckpt)
+
+
+def test_a_full_disk_inside_a_library_is_the_environments_error(capsys):
+    """safetensors reports a full disk as its own error with the OS error's text (found by the hostile pass
+    on a 64 KiB tmpfs: exit 3, 'please report it'); it is exit 4, one line. A library error with no OS
+    error inside stays internal (exit 3)."""
+    from safetensors import SafetensorError
+
+    from glmkit.cli import _answer_failure
+
+    full = SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+    assert _answer_failure("ckpt", full) == 4
+    assert capsys.readouterr().err == ("glmkit ckpt: environment error: No space left on device (SafetensorError; "
+                                       "nothing half-written is left in place)\n")
+    try:
+        try:
+            raise OSError(122, "Disk quota exceeded")
+        except OSError as inner:
+            raise RuntimeError("PytorchStreamWriter failed writing file data/0: file write failed") from inner
+    except RuntimeError as wrapped:
+        assert _answer_failure("train", wrapped) == 4
+    assert "environment error: Disk quota exceeded" in capsys.readouterr().err
+    assert _answer_failure("ckpt", SafetensorError("header too large (os error 2)")) == 3  # ENOENT: not the env's
+    capsys.readouterr()
