@@ -29,6 +29,11 @@ STALE_ELSEWHERE_S = 24 * 3600  # another host's staging directory: stale when un
 _STAGING = re.compile(r"\.(?P<name>.+)\.tmp-(?P<host>.+)-(?P<pid>\d+)-[a-z0-9_]{8}")
 
 
+# markers hold file names and the command line, which may carry bytes that are not UTF-8 (surrogate-escaped
+# by Python): written and read back as the same bytes
+_NAMES = {"encoding": "utf-8", "errors": "surrogateescape"}
+
+
 def _writer() -> str:
     from glmkit import __version__
 
@@ -38,7 +43,8 @@ def _writer() -> str:
 
 def mark(folder: Path, what: str) -> None:
     """The marker of a directory glmkit wrote: its kind, glmkit's version and the command that wrote it."""
-    (Path(folder) / MARKER).write_text(f"kind: {what}\n{_writer()}\nglmkit --overwrite may replace this directory\n")
+    (Path(folder) / MARKER).write_text(f"kind: {what}\n{_writer()}\nglmkit --overwrite may replace this directory\n",
+                                       **_NAMES)
 
 
 def is_glmkit_output(folder: Path) -> bool:
@@ -49,14 +55,14 @@ def record_entries(folder: Path) -> None:
     """Add the names of what a finished output directory holds to its marker: --overwrite later
     removes it only if nothing else was put there since."""
     names = sorted(p.name for p in Path(folder).iterdir() if p.name != MARKER)
-    with open(Path(folder) / MARKER, "a") as f:
+    with open(Path(folder) / MARKER, "a", **_NAMES) as f:
         f.write("".join(f"entry: {name}\n" for name in names))
 
 
 def foreign_entries(folder: Path) -> list[str]:
     """What a marked directory holds that glmkit did not record writing ([] for a marker of a glmkit
     version that recorded nothing)."""
-    lines = (Path(folder) / MARKER).read_text().splitlines()
+    lines = (Path(folder) / MARKER).read_text(**_NAMES).splitlines()
     recorded = {line[len("entry: "):] for line in lines if line.startswith("entry: ")}
     if not recorded:
         return []
@@ -79,7 +85,8 @@ def file_marker(path: Path) -> Path:
 
 
 def mark_file(path: Path, what: str) -> None:
-    file_marker(path).write_text(f"kind: {what}\n{_writer()}\nglmkit --overwrite may replace {Path(path).name}\n")
+    file_marker(path).write_text(f"kind: {what}\n{_writer()}\nglmkit --overwrite may replace {Path(path).name}\n",
+                                 **_NAMES)
 
 
 def is_glmkit_file(path: Path) -> bool:

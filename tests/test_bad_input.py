@@ -730,3 +730,72 @@ def test_a_full_disk_inside_a_library_is_the_environments_error(capsys):
     assert "environment error: Disk quota exceeded" in capsys.readouterr().err
     assert _answer_failure("ckpt", SafetensorError("header too large (os error 2)")) == 3  # ENOENT: not the env's
     capsys.readouterr()
+
+
+@pytest.mark.parametrize("text, reason", [
+    ('{"step": "x", "param_groups": []}', "expected"),        # used to end in str + int (exit 3)
+    ('{"step": -2, "param_groups": []}', "expected"),
+    ('[1, 2]', "expected"),
+    ("[" * 100_000 + "]" * 100_000, "cannot be read"),         # used to end in RecursionError (exit 3)
+    ('{"step": 1, "param_groups": [], "config": [1]}', "expected"),
+])
+def test_a_damaged_training_state_is_named_for_resume(tmp_path, text, reason):
+    from glmkit.rl.loop import _read_state
+
+    (tmp_path / "state.json").write_text(text)
+    with pytest.raises(ValueError, match=rf"state.json: {reason}.*--resume"):
+        _read_state(tmp_path)
+    (tmp_path / "state.json").write_text('{"step": 3, "param_groups": [{"lr": 1e-6}], "config": {"seed": 0}}')
+    assert _read_state(tmp_path)["step"] == 3
+
+
+def test_resume_metrics_rows_that_are_not_objects_move_aside_and_bytes_survive(tmp_path):
+    from glmkit.rl.loop import _truncate_metrics
+
+    metrics = tmp_path / "m.jsonl"
+    odd = '{"step": 0, "note": "\udcff"}'  # a row holding bytes that are not UTF-8
+    metrics.write_text("\n".join([odd, "3", "[1]", '{"step": "x"}', '{"step": 1}', "[" * 5000]) + "\n",
+                       encoding="utf-8", errors="surrogateescape")
+    notes = _truncate_metrics(metrics, start_step=1)
+    assert "moved 5 later metric rows" in notes[0]
+    assert metrics.read_text(encoding="utf-8", errors="surrogateescape") == odd + "\n"
+
+
+def test_a_checkpoint_name_that_is_a_symlink_is_replaced_without_touching_its_target(tmp_path):
+    """iter_0000002 made a link to iter_0000001 (hostile pass: 'Cannot call rmtree on a symbolic link',
+    exit 3): saving step 2 replaces the link, and iter_0000001 keeps what it held."""
+    from glmkit.model import load_model
+    from glmkit.rl.loop import TrainConfig, _save_checkpoint
+    from glmkit.checkpoint import synth_checkpoint
+
+    ckpt = synth_checkpoint("tiny", 0, tmp_path / "ck", progress=False)
+    save = tmp_path / "save"
+    (save / "iter_0000001").mkdir(parents=True)
+    (save / "iter_0000001" / "mine.txt").write_text("keep")
+    (save / "iter_0000002").symlink_to(save / "iter_0000001")
+    policy = load_model(ckpt)
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-6)
+    _save_checkpoint(TrainConfig(checkpoint=str(ckpt), prompt_data="p", save=str(save)), 2, policy, optimizer, None)
+    assert not (save / "iter_0000002").is_symlink() and (save / "iter_0000002" / "state.json").is_file()
+    assert (save / "iter_0000001" / "mine.txt").read_text() == "keep"
+
+
+def test_marker_files_keep_names_that_are_not_utf8(tmp_path):
+    """A metrics file named with a byte that is not UTF-8 (hostile pass: UnicodeEncodeError, exit 3)."""
+    from glmkit.outputs import foreign_entries, is_glmkit_file, mark, mark_file, record_entries
+
+    name = os.fsdecode(b"m\xff.jsonl")
+    (tmp_path / name).write_text("{}\n")
+    mark_file(tmp_path / name, "metrics file")
+    assert is_glmkit_file(tmp_path / name)
+    folder = tmp_path / "out"
+    folder.mkdir()
+    (folder / name).write_text("x")
+    mark(folder, "test output")
+    record_entries(folder)
+    assert foreign_entries(folder) == []
+
+
+def test_serve_host_that_does_not_resolve_is_bad_input(tiny_ckpt):
+    out = glmkit("serve", "--checkpoint", tiny_ckpt, "--host", "no-such-host.invalid", "--port", 0)
+    assert error(out).startswith("glmkit serve: error: --host 'no-such-host.invalid': ")

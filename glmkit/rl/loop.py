@@ -161,7 +161,9 @@ def _save_checkpoint(cfg, step: int, policy, optimizer, lora_names) -> Path:
         save_file(tensors, str(staging / "optimizer.safetensors"))
         (staging / "state.json").write_text(json.dumps({"step": step, "param_groups": state["param_groups"],
                                                         "lora": lora_names, "config": asdict(cfg)}, default=str))
-        if final.exists():
+        if final.is_symlink():
+            final.unlink()  # the link only: what it points to is not glmkit's to replace
+        elif final.exists():
             shutil.rmtree(final)
         os.replace(staging, final)
     except BaseException:
@@ -192,15 +194,34 @@ def _latest(cfg) -> Path | None:
 RESUMABLE_CHANGES = {"num_rollout", "save_interval", "progress", "resume", "overwrite", "accept_changes"}
 
 
+STATE_BYTES = 64 << 20  # a state.json is a few KB (step, param_groups, config); past this it is not one
+
+
+def _read_state(folder: Path) -> dict:
+    """A training checkpoint's state.json, checked: {"step": int >= 0, "param_groups": [...], "config": {...}}."""
+    path = folder / "state.json"
+    try:
+        if (why := not_a_file(path)) is not None:
+            raise ValueError(why)
+        if path.stat().st_size > STATE_BYTES:
+            raise ValueError(f"{path.stat().st_size} bytes, more than a state file holds ({STATE_BYTES})")
+        state = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, RecursionError, UnicodeDecodeError) as err:
+        raise ValueError(f"{path}: cannot be read ({err}); --resume needs it") from None
+    step = state.get("step") if isinstance(state, dict) else None
+    if not (isinstance(step, int) and not isinstance(step, bool) and step >= 0) \
+            or not isinstance(state.get("param_groups"), list) or not isinstance(state.get("config", {}), dict):
+        raise ValueError(f"{path}: expected {{\"step\": a non-negative integer, \"param_groups\": [...], \"config\": "
+                         f"{{...}}}}; --resume cannot continue from it")
+    return state
+
+
 def _check_resumed_settings(cfg, folder: Path) -> None:
     """--resume continues the run recorded in `folder`'s state.json: a setting that differs (other than
     RESUMABLE_CHANGES and those named in --accept-changes) is refused, each named with both values."""
     from dataclasses import asdict
 
-    try:
-        recorded = json.loads((folder / "state.json").read_text()).get("config") or {}
-    except (OSError, ValueError) as err:
-        raise ValueError(f"{folder / 'state.json'}: cannot be read ({err}); --resume needs it") from None
+    recorded = _read_state(folder).get("config") or {}
     accepted = {name.strip().lstrip("-").replace("-", "_") for name in cfg.accept_changes.split(",") if name.strip()}
     known = {f for f in asdict(cfg)}
     unknown = sorted(accepted - known)
@@ -279,24 +300,26 @@ def _truncate_metrics(path: Path, start_step: int) -> list[str]:
     if not path.exists():
         return []
     keep, drop = [], []
-    for line in path.read_text().splitlines():
+    text = {"encoding": "utf-8", "errors": "surrogateescape"}  # rows move as the bytes they were
+    for line in path.read_text(**text).splitlines():
         if not line.strip():
             continue
         try:
             row = json.loads(line)
-        except json.JSONDecodeError:  # a half-written last line of a killed run
+        except (ValueError, RecursionError):  # a half-written last line of a killed run, or not a row at all
             drop.append(line)
             continue
-        (drop if row.get("step", -1) >= start_step else keep).append(line)
+        step = row.get("step", -1) if isinstance(row, dict) else None
+        (drop if not isinstance(step, (int, float)) or step >= start_step else keep).append(line)
     if not drop:
         return []
     side = path.with_name(f"{path.name}.dropped-{time.strftime('%Y%m%d-%H%M%S')}")
     n = 1
     while side.exists():
         side, n = path.with_name(f"{path.name}.dropped-{time.strftime('%Y%m%d-%H%M%S')}-{n}"), n + 1
-    side.write_text("\n".join(drop) + "\n")
+    side.write_text("\n".join(drop) + "\n", **text)
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(line + "\n" for line in keep))
+    tmp.write_text("".join(line + "\n" for line in keep), **text)
     os.replace(tmp, path)
     return [f"--resume: the checkpoint covers rollouts < {start_step}; moved {len(drop)} later metric rows of "
             f"{path} to {side}"]
@@ -459,7 +482,7 @@ class GRPOTrainer:
     def _resume(self, folder: Path):
         from glmkit.checkpoint import open_checkpoint
 
-        state = json.loads((folder / "state.json").read_text())
+        state = _read_state(folder)
         if self.lora_names:
             loaded = load_file(str(folder / "adapter.safetensors"))
         else:

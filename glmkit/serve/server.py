@@ -1250,7 +1250,12 @@ def serve(checkpoint, host: str = "127.0.0.1", port: int = 30000, device: str = 
     tok = load_tokenizer(tok_dir) if tok_dir else None
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    try:
+        sock.bind((host, port))
+    except (socket.gaierror, UnicodeError) as err:  # a host name that does not resolve: the user's input
+        sock.close()
+        raise ValueError(f"--host {host!r}: {getattr(err, 'strerror', None) or err}; give an address of this "
+                         f"machine such as 127.0.0.1") from None
     sock.listen(2048)  # connections made from now on wait in the backlog until uvicorn accepts them
     bound = sock.getsockname()[1]
     # SGLang's server arguments as its /server_info echoes them (the framework compares some of them)
