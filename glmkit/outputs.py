@@ -47,8 +47,20 @@ def mark(folder: Path, what: str) -> None:
                                        **_NAMES)
 
 
+def _is_marker(path: Path) -> bool:
+    """A marker glmkit wrote: a regular file (not a link) that begins as `mark` writes one. An empty or
+    foreign file of that name claims nothing (a run cut short by a full disk can leave one empty)."""
+    try:
+        if not Path(path).is_file() or Path(path).is_symlink():
+            return False
+        with open(path, "rb") as f:
+            return f.read(6) == b"kind: "
+    except OSError:
+        return False
+
+
 def is_glmkit_output(folder: Path) -> bool:
-    return (Path(folder) / MARKER).is_file()
+    return _is_marker(Path(folder) / MARKER)
 
 
 def record_entries(folder: Path) -> None:
@@ -90,7 +102,7 @@ def mark_file(path: Path, what: str) -> None:
 
 
 def is_glmkit_file(path: Path) -> bool:
-    return file_marker(path).is_file()
+    return _is_marker(file_marker(path))
 
 
 def through_link(path: Path) -> bool:

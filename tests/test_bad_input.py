@@ -799,3 +799,32 @@ def test_marker_files_keep_names_that_are_not_utf8(tmp_path):
 def test_serve_host_that_does_not_resolve_is_bad_input(tiny_ckpt):
     out = glmkit("serve", "--checkpoint", tiny_ckpt, "--host", "no-such-host.invalid", "--port", 0)
     assert error(out).startswith("glmkit serve: error: --host 'no-such-host.invalid': ")
+
+
+def test_an_empty_or_foreign_marker_claims_nothing(tmp_path):
+    """A 0-byte `.user.jsonl.glmkit-output` (a run cut short by a full disk leaves one) made --overwrite
+    delete the user's file (hostile pass). Only a marker as glmkit writes it counts."""
+    from glmkit.outputs import file_marker, is_glmkit_file, is_glmkit_output, mark, mark_file, refuse_replacing
+
+    user = tmp_path / "user.jsonl"
+    user.write_text('{"prompt": "mine"}\n')
+    file_marker(user).write_text("")
+    assert not is_glmkit_file(user)
+    with pytest.raises(ValueError, match="user.jsonl"):
+        refuse_replacing(user, "--metrics-out", "metrics file")
+    assert user.read_text() == '{"prompt": "mine"}\n'
+    file_marker(user).write_text("anything else\n")
+    assert not is_glmkit_file(user)
+    mark_file(user, "metrics file")
+    assert is_glmkit_file(user)
+    folder = tmp_path / "out"
+    folder.mkdir()
+    (folder / ".glmkit-output").write_text("")
+    assert not is_glmkit_output(folder)
+    mark(folder, "test output")
+    assert is_glmkit_output(folder)
+
+
+def test_serve_empty_host_is_refused_not_every_interface(tiny_ckpt):
+    out = glmkit("serve", "--checkpoint", tiny_ckpt, "--host", "", "--port", 0)
+    assert error(out).startswith("glmkit serve: error: --host '': empty (it would listen on every interface)")

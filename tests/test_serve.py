@@ -596,3 +596,19 @@ def test_grpo_syncs_weights_over_the_update_group(tmp_path):
     assert len(train_rows) == 4 and all(r["train/train_rollout_logprob_abs_diff"] < 1e-4 for r in train_rows)
     assert any(r["train/grad_norm"] > 0 for r in train_rows[:2])
     assert version == "2"  # one sync after each rollout's optimizer steps
+
+
+def test_a_lone_surrogate_in_a_body_is_a_400_and_never_stored(server):
+    """JSON may escape half of a UTF-16 pair; such a str reaches no tokenizer (hostile pass: 500s, and a
+    weight version stored that broke /generate for everyone). A complete pair (an emoji) is fine."""
+    headers = {"content-type": "application/json"}
+    for path, raw in (("/generate", rb'{"text": "\ud800", "sampling_params": {"max_new_tokens": 2}}'),
+                      ("/generate", rb'{"input_ids": [1, 2], "rid": "\udfff"}'),
+                      ("/update_weight_version", rb'{"new_version": "\ud800"}')):
+        answer = requests.post(server.url + path, data=raw, headers=headers, timeout=10)
+        assert answer.status_code == 400, (path, answer.text)
+        assert "lone UTF-16 surrogate" in answer.text, answer.text
+    assert requests.get(server.url + "/get_weight_version", timeout=10).status_code == 200
+    paired = requests.post(server.url + "/generate", headers=headers, timeout=30,
+                           data=rb'{"input_ids": [1, 2], "rid": "\ud83d\ude00", "sampling_params": {"max_new_tokens": 1}}')
+    assert paired.status_code == 200, paired.text

@@ -21,6 +21,7 @@ import asyncio
 import base64
 import itertools
 import json
+import re
 import socket
 import threading
 import time
@@ -40,6 +41,25 @@ DEFAULT_MAX_BATCH = 64
 DEFAULT_MAX_CONTEXT = 65536  # prompt + new tokens of one request: bounds what one request can allocate
 DEFAULT_MAX_PREFILL_TOKENS = 16384  # prompt tokens prefilled together (SGLang's --max-prefill-tokens default)
 DEFAULT_MAX_BODY = 1 << 30  # bytes of one request body (a tensor update may be large)
+# JSON may escape a UTF-16 surrogate; a lone one decodes to a str no tokenizer or encoder accepts
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _lone_surrogate(value, where: str = "the body"):
+    """Where in a parsed body a string holds a lone surrogate (None if nowhere): keys and values."""
+    stack = [(value, where)]
+    while stack:
+        item, at = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return at
+        elif isinstance(item, dict):
+            stack += [(k, f"{at} (a key)") for k in item] + [(v, f"{at}.{k}") for k, v in item.items()]
+        elif isinstance(item, list):
+            stack += [(v, f"{at}[{i}]") for i, v in enumerate(item)]
+    return None
 MAX_TOP_ENTRIES = 1 << 21  # top_logprobs_num x positions of one request (about 60 MB of JSON)
 MAX_WEIGHT_ELEMENTS = 1 << 24  # /get_weights_by_name: one answer's floats (about 200 MB of JSON)
 HEALTH_TIMEOUT_S = 20.0  # SGLang's default; its environment variable SGLANG_HEALTH_CHECK_TIMEOUT sets it
@@ -879,9 +899,13 @@ def build_app(service: EngineService, window_s: float = 0.005, max_body: int = D
         if not data.strip():
             return {}
         try:
-            return json.loads(data)
-        except (ValueError, UnicodeDecodeError) as err:
+            body = json.loads(data)
+        except (ValueError, UnicodeDecodeError, RecursionError) as err:
             raise RequestError(f"the body is not valid JSON: {err}", layout="bad_request") from None
+        if _SURROGATE_ESCAPE.search(data) and (where := _lone_surrogate(body)) is not None:
+            raise RequestError(f"the body holds a lone UTF-16 surrogate (an escape such as \\ud800 without its pair) "
+                               f"at {where}: not a Unicode string", layout="bad_request")
+        return body
 
     def outcome(success: bool, message: str, status: int | None = None, **extra):
         return JSONResponse({"success": success, "message": message, **extra},
@@ -1248,6 +1272,9 @@ def serve(checkpoint, host: str = "127.0.0.1", port: int = 30000, device: str = 
     model = load_model(checkpoint, getattr(torch, dtype) if dtype else None, device).eval()
     tok_dir = tokenizer or (str(checkpoint) if has_tokenizer_files(checkpoint) else None)
     tok = load_tokenizer(tok_dir) if tok_dir else None
+    if not host.strip():  # an empty host binds every interface: never by accident
+        raise ValueError("--host '': empty (it would listen on every interface); give an address such as 127.0.0.1, "
+                         "or 0.0.0.0 to mean every interface")
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
