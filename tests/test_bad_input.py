@@ -738,6 +738,7 @@ def test_a_full_disk_inside_a_library_is_the_environments_error(capsys):
     ('[1, 2]', "expected"),
     ("[" * 100_000 + "]" * 100_000, "cannot be read"),         # used to end in RecursionError (exit 3)
     ('{"step": 1, "param_groups": [], "config": [1]}', "expected"),
+    ('{"step": 1, "param_groups": []}', "expected"),                # no config: nothing to check a resume against
 ])
 def test_a_damaged_training_state_is_named_for_resume(tmp_path, text, reason):
     from glmkit.rl.loop import _read_state
@@ -828,3 +829,21 @@ def test_an_empty_or_foreign_marker_claims_nothing(tmp_path):
 def test_serve_empty_host_is_refused_not_every_interface(tiny_ckpt):
     out = glmkit("serve", "--checkpoint", tiny_ckpt, "--host", "", "--port", 0)
     assert error(out).startswith("glmkit serve: error: --host '': empty (it would listen on every interface)")
+
+
+def test_safetensors_header_length_is_bounded_before_it_is_read(tmp_path):
+    """A sparse file whose prefix claims a 3 GiB header made `ckpt info` read 3 GiB (hostile pass)."""
+    from glmkit.checkpoint import CheckpointError
+    from glmkit.checkpoint.hf import MAX_HEADER_BYTES, read_header
+
+    file = tmp_path / "model.safetensors"
+    with open(file, "wb") as f:
+        f.write((3 << 30).to_bytes(8, "little"))
+        f.truncate((3 << 30) + 16)  # sparse: the claimed header fits the file's size
+    with pytest.raises(CheckpointError, match=rf"header of {3 << 30} bytes; safetensors allows at most "
+                                              rf"{MAX_HEADER_BYTES}"):
+        read_header(file)
+    header = json.dumps({"w": {"dtype": "F128", "shape": [1], "data_offsets": [0, 16]}}).encode()
+    file.write_bytes(len(header).to_bytes(8, "little") + header + bytes(16))
+    with pytest.raises(CheckpointError, match=r"dtype 'F128'; allowed: .*BF16"):
+        read_header(file)

@@ -141,6 +141,9 @@ def _check_sizes(config, file: Path) -> None:
             raise CheckpointError(f"{file}: {name} {value} is larger than {bound} {limit}")
 
 
+MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit on the JSON header
+
+
 def read_header(file: Path) -> dict[str, TensorInfo]:
     """Parse a safetensors header and check the file is long enough for the data it declares.
 
@@ -156,11 +159,16 @@ def read_header(file: Path) -> dict[str, TensorInfo]:
             if len(prefix) < 8:
                 raise CheckpointError(f"{file}: truncated safetensors file ({size} bytes, no header)")
             header_len = int.from_bytes(prefix, "little")
+            if header_len > MAX_HEADER_BYTES:  # read whole before parsing: bounded first
+                raise CheckpointError(f"{file}: safetensors header of {header_len} bytes; safetensors allows at "
+                                      f"most {MAX_HEADER_BYTES}")
             if header_len > size - 8:
                 raise CheckpointError(
                     f"{file}: truncated safetensors file: header needs {header_len} bytes, "
                     f"file has {size - 8} after the length prefix")
             header = json.loads(fh.read(header_len))
+    except PermissionError:
+        raise  # the environment's (exit 4), not a damaged file
     except OSError as e:
         raise CheckpointError(f"{file}: cannot read: {e}") from e
     except (ValueError, RecursionError) as e:  # JSON / UTF-8 errors, nesting deeper than the parser goes
@@ -174,6 +182,8 @@ def read_header(file: Path) -> dict[str, TensorInfo]:
     for name, entry in header.items():
         try:
             begin, end = entry["data_offsets"]
+            if entry["dtype"] not in _ST_DTYPES:
+                raise ValueError(f"dtype {entry['dtype']!r}; allowed: {', '.join(_ST_DTYPES)}")
             dtype = _ST_DTYPES[entry["dtype"]]
             shape = tuple(int(s) for s in entry["shape"])
             if not (type(begin) is int and type(end) is int and 0 <= begin <= end):

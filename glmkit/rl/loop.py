@@ -194,6 +194,7 @@ def _latest(cfg) -> Path | None:
 RESUMABLE_CHANGES = {"num_rollout", "save_interval", "progress", "resume", "overwrite", "accept_changes"}
 
 
+_UNRECORDED = "(not recorded)"
 STATE_BYTES = 64 << 20  # a state.json is a few KB (step, param_groups, config); past this it is not one
 
 
@@ -210,7 +211,7 @@ def _read_state(folder: Path) -> dict:
         raise ValueError(f"{path}: cannot be read ({err}); --resume needs it") from None
     step = state.get("step") if isinstance(state, dict) else None
     if not (isinstance(step, int) and not isinstance(step, bool) and step >= 0) \
-            or not isinstance(state.get("param_groups"), list) or not isinstance(state.get("config", {}), dict):
+            or not isinstance(state.get("param_groups"), list) or not isinstance(state.get("config"), dict):
         raise ValueError(f"{path}: expected {{\"step\": a non-negative integer, \"param_groups\": [...], \"config\": "
                          f"{{...}}}}; --resume cannot continue from it")
     return state
@@ -228,10 +229,11 @@ def _check_resumed_settings(cfg, folder: Path) -> None:
     if unknown:
         raise ValueError(f"--accept-changes {', '.join(unknown)}: not a setting of glmkit train")
     now = json.loads(json.dumps(asdict(cfg), default=str))
-    differing = [name for name in sorted(set(recorded) & set(now))
-                 if recorded[name] != now[name] and name not in RESUMABLE_CHANGES | accepted]
+    # a setting the state does not record cannot be shown unchanged: it counts as changed
+    differing = [name for name in sorted(now)
+                 if recorded.get(name, _UNRECORDED) != now[name] and name not in RESUMABLE_CHANGES | accepted]
     if differing:
-        shown = "; ".join(f"--{n.replace('_', '-')} {recorded[n]!r} -> {now[n]!r}" for n in differing[:8])
+        shown = "; ".join(f"--{n.replace('_', '-')} {recorded.get(n, _UNRECORDED)!r} -> {now[n]!r}" for n in differing[:8])
         raise ValueError(f"--resume: {len(differing)} setting(s) differ from the run in {folder}: {shown}; resume "
                          f"with the recorded values, or name the changes you mean with --accept-changes "
                          f"{','.join(n.replace('_', '-') for n in differing)}")
