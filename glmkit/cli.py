@@ -1044,18 +1044,39 @@ def main(argv=None) -> int:
         print("glmkit: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     default_show = warnings.showwarning
+    default_term = _on_sigterm(_terminate)
     try:
         warnings.showwarning = _glmkit_warnings(args.command, default_show)
         _require_device(args)
         return args.func(args)
     except Exception as err:  # noqa: BLE001 - the error contract: each kind of failure its exit code
         return _answer_failure(args.command, err)
-    except KeyboardInterrupt:
-        print(f"glmkit {args.command}: interrupted (outputs are renamed into place only when complete: nothing "
+    except KeyboardInterrupt as stop:
+        how = "terminated" if isinstance(stop, Terminated) else "interrupted"
+        print(f"glmkit {args.command}: {how} (outputs are renamed into place only when complete: nothing "
               f"half-written is left as if it were whole)", file=sys.stderr)
-        return EXIT_INTERRUPTED
+        return EXIT_TERMINATED if isinstance(stop, Terminated) else EXIT_INTERRUPTED
     finally:
         warnings.showwarning = default_show
+        _on_sigterm(default_term)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a scheduler or `kill`): unwound like Ctrl-C, so locks are released and staging removed."""
+
+
+def _terminate(signum, frame):
+    raise Terminated()
+
+
+def _on_sigterm(handler):
+    """Set SIGTERM's handler (main thread only; elsewhere nothing changes) -> the previous one."""
+    import signal
+    import threading
+
+    if handler is None or threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, handler)
 
 
 def _answer_failure(command: str, err: Exception) -> int:
@@ -1122,6 +1143,7 @@ def _wrapped_environment_error(command: str, err: BaseException) -> int | None:
 # read-only), 130 interrupted.
 EXIT_CHECK_FAILED, EXIT_BAD_INPUT, EXIT_INTERNAL, EXIT_ENVIRONMENT, EXIT_INTERRUPTED = 1, 2, 3, 4, 130
 EXIT_BROKEN_PIPE = 141  # as a shell reports a process that SIGPIPE ended
+EXIT_TERMINATED = 143  # as a shell reports a process that SIGTERM ended
 
 
 def _environment_error(err: OSError) -> bool:

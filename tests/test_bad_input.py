@@ -847,3 +847,21 @@ def test_safetensors_header_length_is_bounded_before_it_is_read(tmp_path):
     file.write_bytes(len(header).to_bytes(8, "little") + header + bytes(16))
     with pytest.raises(CheckpointError, match=r"dtype 'F128'; allowed: .*BF16"):
         read_header(file)
+
+
+def test_sigterm_unwinds_like_ctrl_c_with_one_line(tmp_path):
+    """SIGTERM (a scheduler's stop) used to end the process with 143 and no word, locks left behind."""
+    import signal
+    import time
+
+    run = subprocess.Popen([sys.executable, "-m", "glmkit", "check", "--out", str(tmp_path / "check")],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not (tmp_path / "check").exists() and time.time() < deadline and run.poll() is None:
+        time.sleep(0.2)  # the command has started its work (its output folder claimed)
+    run.send_signal(signal.SIGTERM)
+    _, err = run.communicate(timeout=120)
+    assert run.returncode == 143, err[-2000:]
+    assert "glmkit check: terminated (outputs are renamed into place only when complete" in err
+    assert "Traceback" not in err
+    assert not list(tmp_path.glob("**/*.glmkit-lock")) and not (tmp_path / "check" / "report.html").exists()
