@@ -134,3 +134,16 @@ def test_format_response_is_short_and_rewarded():
 
 def test_default_path():
     assert DEFAULT_DAPO_PATH == "/root/datasets/dapo-math-17k/dapo-math-17k.jsonl"
+
+
+def test_a_byte_order_mark_and_a_lone_surrogate(tmp_path):
+    """Row 1 after a UTF-8 BOM is read (it was dropped as invalid JSON); a row escaping half a UTF-16 pair
+    is skipped by line (it ended the run with a TypeError in the tokenizer)."""
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps(good(1)).encode() + b"\n"
+                     + b'{"prompt": "x\\ud800", "label": "2"}\n'
+                     + b'{"prompt": "\\ud83d\\ude00 paired is fine", "label": "3"}\n')
+    with pytest.warns(UserWarning, match=r"line\(s\) 2"):
+        samples, problems = load_prompts(path, shuffle_seed=None)
+    assert [s.index for s in samples] == [1, 3] and samples[1].prompt_text.startswith("\U0001F600")
+    assert "lone UTF-16 surrogate" in problems[0].reason

@@ -105,9 +105,10 @@ def _prompt_ids(text: str, tokenizer, apply_chat_template: bool) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=not apply_chat_template))
 
 
-def _decode(raw: bytes) -> str:
+def _decode(raw: bytes, first: bool = False) -> str:
     try:
-        return raw.decode("utf-8")
+        text = raw.decode("utf-8")
+        return text.removeprefix("\ufeff") if first else text  # a byte-order mark starts some files
     except UnicodeDecodeError as err:
         raise RowError(f"not UTF-8 text (invalid byte 0x{raw[err.start]:02x} at position {err.start + 1})") from None
 
@@ -122,6 +123,11 @@ def parse_row(line: str, number: int, input_key: str, label_key: str, tokenizer,
         raise RowError(f"not readable JSON ({str(err)[:80]})") from err
     if not isinstance(row, dict):
         raise RowError(f"a row must be a JSON object, not {_type_name(row)}")
+    try:  # JSON may escape half of a UTF-16 pair (\ud800): not text any tokenizer takes
+        json.dumps(row, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise RowError("holds a lone UTF-16 surrogate (an escape such as \\ud800 without its pair): not Unicode "
+                       "text") from None
     for key in (input_key, label_key):
         if key not in row:
             raise RowError(f"missing key {key!r} (keys: {', '.join(sorted(row)) or 'none'})")
@@ -181,7 +187,7 @@ def load_prompts(path=DEFAULT_DAPO_PATH, input_key: str = "prompt", label_key: s
             try:
                 if raw is None:
                     raise RowError(f"longer than {MAX_ROW_BYTES} bytes, the most a prompt row may hold (not read)")
-                line = _decode(raw)
+                line = _decode(raw, first=number == 1)
                 if not line.strip():
                     continue
                 samples.append(parse_row(line, number, input_key, label_key, tokenizer, apply_chat_template))
