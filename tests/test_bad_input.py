@@ -865,3 +865,16 @@ def test_sigterm_unwinds_like_ctrl_c_with_one_line(tmp_path):
     assert "glmkit check: terminated (outputs are renamed into place only when complete" in err
     assert "Traceback" not in err
     assert not list(tmp_path.glob("**/*.glmkit-lock")) and not (tmp_path / "check" / "report.html").exists()
+
+
+@pytest.mark.parametrize("name, value", [("rms_norm_eps", float("nan")), ("max_position_embeddings", -1),
+                                         ("routed_scaling_factor", float("inf"))])
+def test_config_numbers_every_forward_uses_are_checked_at_load(tiny_ckpt, tmp_path, name, value):
+    from glmkit.checkpoint import CheckpointError
+
+    bad = copy_ckpt(tiny_ckpt, tmp_path / "bad")
+    config = json.loads((bad / "config.json").read_text())
+    config["text_config"][name] = value
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=rf"{name} must be a positive finite number, got {value!r}"):
+        open_checkpoint(bad)

@@ -139,6 +139,15 @@ def _check_sizes(config, file: Path) -> None:
         limit = getattr(config, bound, None) if bound else None
         if isinstance(limit, int) and value > limit:
             raise CheckpointError(f"{file}: {name} {value} is larger than {bound} {limit}")
+    import math
+
+    # numbers every forward uses: a NaN or a negative one fails only later, deep in a run
+    for name in ("rms_norm_eps", "routed_scaling_factor", "max_position_embeddings", "rope_theta"):
+        value = getattr(config, name, None)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise CheckpointError(f"{file}: {name} must be a positive finite number, got {value!r}")
 
 
 MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit on the JSON header
