@@ -19,6 +19,8 @@ def not_a_file(path: str | os.PathLike) -> str | None:
         mode = path.stat().st_mode
     except FileNotFoundError:
         return "is a symbolic link to nothing" if path.is_symlink() else "no such file"
+    except PermissionError:
+        raise  # the environment's (a folder above it this user may not enter), not the input's kind
     except OSError as err:  # a link loop, a name too long, a component that is a file
         return err.strerror.lower() if err.strerror else str(err)
     if stat.S_ISREG(mode):

@@ -335,6 +335,8 @@ def _check_notebook(notebook: Path) -> None:
     try:
         nb = nbformat.read(str(notebook), as_version=4)
         nbformat.validate(nb)
+    except PermissionError:
+        raise  # the environment's (exit 4), not a damaged notebook
     except Exception as err:  # noqa: BLE001 - any reader or schema failure is the input's
         first = (str(err).splitlines() or [type(err).__name__])[0][:200]
         raise ValueError(f"{notebook}: not a readable Jupyter notebook ({type(err).__name__}: {first})") from None

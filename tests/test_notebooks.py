@@ -166,3 +166,27 @@ def test_read_verdict_takes_the_files_this_run_wrote(tmp_path):
     assert read_verdict(tmp_path, 2000) == "unknown"
     (tmp_path / "verdict.json").write_text("{half")                 # unreadable: falls through
     assert read_verdict(tmp_path, 2000) == "unknown"
+
+
+
+def test_an_unreadable_notebook_is_the_environments_error(tmp_path):
+    """Permission denied is exit 4 by the CLI's contract (it was reported as a damaged notebook, exit 2).
+    As root (CI), the run drops to user nobody with setpriv, so the mode really refuses the read."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    nb = tmp_path / "x.ipynb"
+    nb.write_text("{}")
+    nb.chmod(0)
+    tmp_path.chmod(0o755)
+    code = "import sys; from glmkit.cli import main; sys.exit(main(['report', sys.argv[1], '--out', sys.argv[2]]))"
+    argv = [sys.executable, "-c", code, str(nb), str(tmp_path / "out")]
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("root without setpriv: no user to drop to")
+        argv = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", *argv]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert out.returncode == 4, out.stderr[-2000:]
+    assert "environment error: Permission denied" in out.stderr
