@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import os
+import pickle
 import stat
+import struct
 from pathlib import Path
+
+# What unpickling arbitrary bytes can raise (torch.load weights_only included): a reader that catches these
+# names the file as unreadable instead of ending in a traceback.
+UNPICKLE_ERRORS = (pickle.UnpicklingError, RuntimeError, EOFError, IndexError, KeyError, TypeError, ValueError,
+                   AttributeError, ImportError, UnicodeDecodeError, MemoryError, OverflowError, struct.error)
 
 _KINDS = ((stat.S_ISDIR, "is a directory"), (stat.S_ISFIFO, "is a named pipe (FIFO)"),
           (stat.S_ISCHR, "is a character device"), (stat.S_ISBLK, "is a block device"),

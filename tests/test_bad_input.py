@@ -563,7 +563,7 @@ def staging(folder, tiny, sharded):
         (folder / name).mkdir()
         (folder / name / "part-00000.safetensors").write_bytes(b"half written")
         if not name.endswith("unmarked"):
-            (folder / name / MARKER).write_text("glmkit checkpoint\n")
+            (folder / name / MARKER).write_text("kind: checkpoint\n")
     return [["ckpt", "synth", "--variant", "tiny", "--out", folder / "ck"]]
 
 

@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 from glmkit.config import variant_config
 
@@ -198,6 +198,7 @@ def test_the_shapes_options_take_positive_integers_only(flag, tmp_path):
 
 @SETTINGS
 @given(st.binary(max_size=200))
+@example(b"r")  # a lone BININT opcode: the unpickler raises struct.error
 def test_a_framework_dump_file_of_any_bytes_is_refused_by_name(blob):
     from glmkit.parity.framework_dump import _load
 
@@ -215,6 +216,7 @@ def test_a_framework_dump_file_of_any_bytes_is_refused_by_name(blob):
 
 @SETTINGS
 @given(st.binary(max_size=200))
+@example(b"r")  # a lone BININT opcode: the unpickler raises struct.error
 def test_rollout_data_of_any_bytes_is_refused_by_name(blob):
     from glmkit.parity.rollout_data import load_rollout_data
 
@@ -228,3 +230,43 @@ def test_rollout_data_of_any_bytes_is_refused_by_name(blob):
             assert str(err)
     finally:
         shutil.rmtree(folder)
+
+
+@SETTINGS
+@given(st.binary(max_size=200))
+@example(b"r")
+def test_a_torch_dist_index_of_any_bytes_is_refused_by_name(blob):
+    from glmkit.checkpoint.hf import CheckpointError
+    from glmkit.checkpoint.torch_dist import TorchDistCheckpoint
+
+    folder = scratch()
+    try:
+        (folder / ".metadata").write_bytes(blob)
+        try:
+            TorchDistCheckpoint(folder)
+        except CheckpointError as err:
+            assert ".metadata" in str(err)
+    finally:
+        shutil.rmtree(folder)
+
+
+def test_a_torch_dist_index_cannot_make_the_reader_allocate_what_the_stream_declares():
+    """A 20-byte index whose LONG_BINPUT names memo slot 2.3e9 made the C unpickler zero 18 GB; one
+    declaring a 2**40-byte BYTEARRAY8 would allocate a terabyte. Both are refused by name, within a few
+    MB of memory (the test runs them in a child with its address space capped at 2 GiB)."""
+    script = (
+        "import resource, sys, tempfile, pathlib\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))\n"
+        "from glmkit.checkpoint.hf import CheckpointError\n"
+        "from glmkit.checkpoint.torch_dist import TorchDistCheckpoint\n"
+        "for blob in (b'\\x88rXt\\x93T\\x88\\xf6]d', b'\\x80\\x05\\x96' + (1 << 40).to_bytes(8, 'little')):\n"
+        "    folder = pathlib.Path(tempfile.mkdtemp())\n"
+        "    (folder / '.metadata').write_bytes(blob)\n"
+        "    try:\n"
+        "        TorchDistCheckpoint(folder)\n"
+        "    except CheckpointError as err:\n"
+        "        assert 'MemoryError' not in str(err), err\n"
+        "        print('refused:', err)\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("refused:") == 2 and "not a readable torch.distributed.checkpoint index" in done.stdout

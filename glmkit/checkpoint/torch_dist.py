@@ -28,9 +28,10 @@ from pathlib import Path
 import torch
 
 from glmkit.checkpoint.hf import CheckpointError
-from glmkit.inputs import read_marker
+from glmkit.inputs import UNPICKLE_ERRORS, read_marker
 
 TRACKER = "latest_checkpointed_iteration.txt"
+MAX_INDEX_BYTES = 1 << 30  # an index names tensors and chunks; a full-model one is megabytes
 # Exactly these classes (by module and plain name; a dotted name, which pickle protocol 4 resolves
 # attribute by attribute and which could reach e.g. the module's `os`, is never looked up).
 _DCP_METADATA = "torch.distributed.checkpoint.metadata"
@@ -57,9 +58,16 @@ class _Opaque:
         self.state = state
 
 
-class _IndexUnpickler(pickle.Unpickler):
+class _IndexUnpickler(pickle._Unpickler):
     """DCP's `.metadata`, and nothing else: its dataclasses, torch.Size, dtypes, layouts (framework
-    objects become inert placeholders)."""
+    objects become inert placeholders).
+
+    Python's unpickler, not the C one: the C unpickler sizes its memo from a LONG_BINPUT index in the
+    stream, so a 20-byte file could make it zero 18 GB. This one keeps the memo in a dict; BYTEARRAY8
+    (which allocates the length the stream declares, and which DCP never writes) is refused. Read from
+    memory, so a declared length beyond the file's end only returns what is there."""
+
+    dispatch = {op: load for op, load in pickle._Unpickler.dispatch.items() if op != pickle.BYTEARRAY8[0]}
 
     def find_class(self, module, name):
         if "." in name:
@@ -121,10 +129,12 @@ class TorchDistCheckpoint:
         from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
         self.path = resolve_dir(path)
+        if (size := (self.path / ".metadata").stat().st_size) > MAX_INDEX_BYTES:
+            raise CheckpointError(f"{self.path}/.metadata: {size} bytes, more than the {MAX_INDEX_BYTES} bytes "
+                                  f"glmkit reads as a torch.distributed.checkpoint index")
         try:
-            with open(self.path / ".metadata", "rb") as f:
-                self.metadata = _IndexUnpickler(f).load()
-        except (pickle.UnpicklingError, EOFError, AttributeError, ImportError, TypeError, ValueError) as err:
+            self.metadata = _IndexUnpickler(io.BytesIO((self.path / ".metadata").read_bytes())).load()
+        except UNPICKLE_ERRORS as err:
             raise CheckpointError(f"{self.path}/.metadata: not a readable torch.distributed.checkpoint index "
                                   f"({type(err).__name__}: {err})") from err
         entries = getattr(self.metadata, "state_dict_metadata", None)

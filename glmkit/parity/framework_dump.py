@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from glmkit.inputs import UNPICKLE_ERRORS
 from glmkit.parity.dump import Capture
 
 # The dump names glmkit reads, each a glmkit site (glmkit.model.sites). Names the framework's patcher
@@ -183,8 +184,7 @@ def _load(file: Path) -> _Record:
         found = re.search(r"GLOBAL ([\w.]+)", str(err))
         raise ValueError(f"{file}: needs pickle to read ({found.group(1) if found else 'not weights-only'}); "
                          f"glmkit reads dumps with torch.load(weights_only=True) only") from None
-    except (RuntimeError, EOFError, OSError, IndexError, KeyError, TypeError, ValueError, AttributeError,
-            UnicodeDecodeError, MemoryError, OverflowError) as err:  # what the unpickler raises on garbage
+    except UNPICKLE_ERRORS as err:
         raise ValueError(f"{file}: not a readable dump file ({type(err).__name__})") from None
     if not (isinstance(data, dict) and "value" in data):
         raise ValueError(f"{file}: not a dumper file (expected {{'value': ..., 'meta': {{...}}}})")

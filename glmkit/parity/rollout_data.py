@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from glmkit.inputs import not_a_file
+from glmkit.inputs import UNPICKLE_ERRORS, not_a_file
 
 DEFAULT_THRESHOLD = 0.02  # mean |logp - reference| per sample; the recipe's healthy abs diff is ~0.007
 WORST_TOKENS = 8
@@ -62,8 +62,7 @@ def _load(path: Path, what: str):
         raise ValueError(f"{path}: needs pickle to read ({found.group(1) or found.group(2)}); glmkit reads {what} with "
                          f"torch.load(weights_only=True) only (tensors, numbers, strings, lists, dicts, numpy "
                          f"arrays), never arbitrary classes") from None
-    except (RuntimeError, EOFError, OSError, IndexError, KeyError, TypeError, ValueError, AttributeError,
-            UnicodeDecodeError, MemoryError, OverflowError) as err:  # what the unpickler raises on garbage
+    except UNPICKLE_ERRORS as err:
         raise ValueError(f"{path}: not a readable torch.save file ({type(err).__name__}: "
                          f"{str(err).splitlines()[0][:200] if str(err) else 'truncated'})") from None
 
