@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+from glmkit.inputs import ascii_float, ascii_int
+
 DTYPES = {"float32": "float32", "bfloat16": "bfloat16"}
 DEVICES = ["cpu", "cuda"]
 MAX_ERROR_LINES = 14  # a checkpoint error lists 10 tensors, a header and a count; longer reasons are cut
@@ -42,7 +44,7 @@ def _int_at_least(least: int, name: str, most: int | None = None):
     """An argparse type: an int >= `least` (and <= `most`); `name` is what argparse calls a value it
     cannot parse."""
     def parse(text: str) -> int:
-        value = int(text)
+        value = ascii_int(text)
         if value < least or (most is not None and value > most):
             bound = f"in {least}..{most}" if most is not None else f">= {least}"
             raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
@@ -52,12 +54,10 @@ def _int_at_least(least: int, name: str, most: int | None = None):
 
 
 def _finite(text: str) -> float:
-    import math
-
-    value = float(text)
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
-    return value
+    try:
+        return ascii_float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}") from None
 
 
 _finite.__name__ = "finite number"
@@ -66,6 +66,7 @@ MAX_DECODE_STEPS = 1 << 16
 
 
 _positive = _int_at_least(1, "positive integer")
+_integer = _int_at_least(-(1 << 63), "integer")
 # torch and numpy seed from a signed 64-bit int; a larger seed fails deep inside a run
 _seed = _int_at_least(0, "seed", (1 << 63) - 1)
 _non_negative = _int_at_least(0, "non-negative integer")
@@ -73,7 +74,7 @@ _non_negative = _int_at_least(0, "non-negative integer")
 
 def _gpu_fraction(text: str) -> float:
     """An argparse type: a GPU share in (0, 1]."""
-    value = float(text)
+    value = _finite(text)
     if not 0 < value <= 1:
         raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
     return value
@@ -764,15 +765,15 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--rollout-batch-size", type=_positive, help="prompts per rollout (recipe 8; tiny preset 16)")
         p.add_argument("--n-samples-per-prompt", type=_positive, default=8)
         p.add_argument("--global-batch-size", type=_positive, help="samples per optimizer step (recipe 64; tiny 32)")
-        p.add_argument("--rollout-max-response-len", type=int)
-        p.add_argument("--rollout-temperature", type=float, default=1.0)
-        p.add_argument("--rollout-top-p", type=float, default=1.0)
-        p.add_argument("--lr", type=float, help="Adam learning rate (recipe: 1e-6; the tiny preset: 2e-4)")
-        p.add_argument("--eps-clip", type=float, default=0.2)
-        p.add_argument("--eps-clip-high", type=float, default=0.28)
-        p.add_argument("--kl-loss-coef", type=float, default=0.0)
+        p.add_argument("--rollout-max-response-len", type=_integer)
+        p.add_argument("--rollout-temperature", type=_finite, default=1.0)
+        p.add_argument("--rollout-top-p", type=_finite, default=1.0)
+        p.add_argument("--lr", type=_finite, help="Adam learning rate (recipe: 1e-6; the tiny preset: 2e-4)")
+        p.add_argument("--eps-clip", type=_finite, default=0.2)
+        p.add_argument("--eps-clip-high", type=_finite, default=0.28)
+        p.add_argument("--kl-loss-coef", type=_finite, default=0.0)
         p.add_argument("--kl-loss-type", default="low_var_kl", choices=["k1", "k2", "k3", "low_var_kl"])
-        p.add_argument("--entropy-coef", type=float, default=0.0)
+        p.add_argument("--entropy-coef", type=_finite, default=0.0)
         p.add_argument("--enable-r3", action="store_true", help="routing replay: the trainer uses the rollout's experts")
         p.add_argument("--use-rollout-indexer-replay", action="store_true",
                        help="DSA top-k replay: the trainer attends over the positions the rollout selected")
@@ -792,7 +793,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "out and writes the metrics")
         p.add_argument("--metrics-out", default="reports/train/metrics.jsonl")
         p.add_argument("--save", help="checkpoint directory")
-        p.add_argument("--save-interval", type=int, default=0,
+        p.add_argument("--save-interval", type=_integer, default=0,
                        help="save every N rollouts (default with --save: once, after the last rollout)")
         p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint under --save "
                        "(its recorded settings must match; see --accept-changes)")
@@ -842,7 +843,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_ckpt_synth)
     p = ckpt.add_parser("slice", help="the first N layers of a checkpoint (streamed, bounded memory)")
     p.add_argument("--src", required=True)
-    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--layers", type=_integer, default=4)
     p.add_argument("--out", required=True)
     p.add_argument("--overwrite", action="store_true")
     p.set_defaults(func=cmd_ckpt_slice)
@@ -858,7 +859,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--torch-dist", required=True,
                    help="the torch_dist save folder (with latest_checkpointed_iteration.txt) or an iteration folder")
     p.add_argument("--json", help="write the result as JSON here")
-    p.add_argument("--atol", type=float, default=0.0,
+    p.add_argument("--atol", type=_finite, default=0.0,
                    help="allowed |difference| after casting to the stored dtype (default 0: a conversion is a copy)")
     p.set_defaults(func=cmd_ckpt_verify_conversion)
     p = ckpt.add_parser("verify-engine", help="ask a running SGLang-protocol server for tensors by name "
@@ -887,10 +888,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", required=True, help="the HF checkpoint the rollout ran (or its slice)")
     p.add_argument("--train-data", help="the framework's --save-debug-train-data file of one rank: the trainer's "
                                         "own log-probs replace glmkit's stand-in")
-    p.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD,
+    p.add_argument("--threshold", type=_finite, default=DEFAULT_THRESHOLD,
                    help=f"a side departs when its mean |logp - reference| over a sample's response exceeds this "
                         f"(default {DEFAULT_THRESHOLD})")
-    p.add_argument("--temperature", type=float, default=1.0, help="the run's --rollout-temperature")
+    p.add_argument("--temperature", type=_finite, default=1.0, help="the run's --rollout-temperature")
     p.add_argument("--json", help="write the result as JSON here")
     p.add_argument("--device", default="cpu", choices=DEVICES)
     p.add_argument("--dtype", default="float32", choices=list(DTYPES))
@@ -922,7 +923,7 @@ def build_parser() -> argparse.ArgumentParser:
                                          "through --extra-args (the launcher has no option for it)")
     p.add_argument("--input-key", help="miles, with --prompt-data: the prompt field (default prompt)")
     p.add_argument("--label-key", help="miles, with --prompt-data: the label field (default label)")
-    p.add_argument("--gpu-memory-gib", type=float, help="per-GPU memory for the memory check (default: the inventory's)")
+    p.add_argument("--gpu-memory-gib", type=_finite, help="per-GPU memory for the memory check (default: the inventory's)")
     p.add_argument("--max-tokens-per-gpu", type=_positive,
                    help="miles: passed through --extra-args (default: the launcher's, 8192; LoRA 16384)")
     p.add_argument("--decoder-first-pipeline-num-layers", type=_positive,
@@ -946,12 +947,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="the rollout engine behind SGLang's native HTTP API (/generate, /health, ...)")
     p.add_argument("--checkpoint", required=True, help="HF checkpoint directory")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
-    p.add_argument("--port", type=int, default=30000, help="0 picks a free port (printed)")
+    p.add_argument("--port", type=_integer, default=30000, help="0 picks a free port (printed)")
     p.add_argument("--device", default="cpu", choices=DEVICES)
     p.add_argument("--dtype", choices=list(DTYPES), help="default: the checkpoint's")
     p.add_argument("--tokenizer", help="tokenizer directory for text inputs (default: the checkpoint's own files)")
     p.add_argument("--max-batch-size", type=_positive, default=64, help="most inputs batched into one engine call")
-    p.add_argument("--max-context", type=int, default=65536,
+    p.add_argument("--max-context", type=_integer, default=65536,
                    help="most prompt + new tokens of one request (larger ones are refused with 400)")
     p.add_argument("--prefill-chunk", type=_positive, metavar="TOKENS",
                    help="prefill joining prompts at most TOKENS a decode step (default: whole prompts at once)")
@@ -1150,7 +1151,8 @@ def _environment_error(err: OSError) -> bool:
     import errno
 
     return isinstance(err, PermissionError) or err.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES,
-                                                             errno.EPERM, errno.EMFILE, errno.ENOMEM)
+                                                             errno.EPERM, errno.EMFILE, errno.ENOMEM,
+                                                             errno.EFBIG, errno.EIO)
 
 
 def _raised_by_glmkit(err: BaseException) -> bool:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
+import re
 import stat
 import struct
 from pathlib import Path
@@ -43,3 +45,23 @@ def read_marker(path: str | os.PathLike, limit: int = 256) -> str:
         raise ValueError(f"{path}: {why}; expected a small text file")
     with open(path, "rb") as f:
         return f.read(limit).decode("utf-8", errors="replace").strip()
+
+
+# Python's int() and float() also take Unicode digits ('١٠'), underscores ('1_0') and spaces; a
+# command line or a JSON string that means a number is written in ASCII, so only that is read.
+_INTEGER = re.compile(r"[+-]?[0-9]+")
+_DECIMAL = re.compile(r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
+
+
+def ascii_int(text: str) -> int:
+    """An integer written in ASCII digits, with an optional sign; ValueError otherwise."""
+    if not isinstance(text, str) or not _INTEGER.fullmatch(text):
+        raise ValueError(f"not an integer: {text!r}")
+    return int(text)
+
+
+def ascii_float(text: str) -> float:
+    """A finite decimal number written in ASCII (1, -0.5, 2e-4); ValueError otherwise (nan and inf too)."""
+    if not isinstance(text, str) or not _DECIMAL.fullmatch(text) or not math.isfinite(value := float(text)):
+        raise ValueError(f"not a finite decimal number: {text!r}")
+    return value

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import copy
 import html
-from html.parser import HTMLParser
 import json
 import os
 import re
@@ -185,6 +184,8 @@ def offline_notebook(nb):
             continue
         kept = []
         for output in cell.get("outputs", []):
+            if "metadata" in output:
+                output["metadata"] = _image_metadata(output["metadata"])
             data = output.get("data")
             if data is not None:
                 code = [m for m in (*CODE_MIMETYPES, "image/svg+xml") if m in data]
@@ -198,6 +199,34 @@ def offline_notebook(nb):
             kept.append(output)
         cell.outputs = kept
     return nb
+
+
+_IMAGE_SIZES = ("width", "height")
+
+
+def _image_settings(meta) -> dict:
+    """What the HTML template reads from an image's metadata, as values that cannot carry markup: its
+    size as a positive integer, `unconfined` as a bool, `needs_background` as light or dark."""
+    if not isinstance(meta, dict):
+        return {}
+    kept = {k: int(v) for k in _IMAGE_SIZES if isinstance(v := meta.get(k), (int, float, str))
+            and str(v).isascii() and str(v).isdigit() and 0 < int(v) < 100_000}
+    if isinstance(meta.get("unconfined"), bool):
+        kept["unconfined"] = meta["unconfined"]
+    if meta.get("needs_background") in ("light", "dark"):
+        kept["needs_background"] = meta["needs_background"]
+    return kept
+
+
+def _image_metadata(metadata) -> dict:
+    """An output's metadata for the report: image settings only (`_image_settings`), for the output and
+    per image type. Anything else (`filenames`, which would make the page load a file; text that the
+    template writes into the <img> tag as it is) is dropped."""
+    kept = _image_settings(metadata)
+    for mime in ("image/png", "image/jpeg"):
+        if isinstance(metadata, dict) and (settings := _image_settings(metadata.get(mime))):
+            kept[mime] = settings
+    return kept
 
 
 def _sealed_exporter():
@@ -219,56 +248,59 @@ def _sealed_exporter():
 
 # What a page must not hold to be self-contained: any <script> (inline or loaded), any tag that
 # loads a file (<link href>, <iframe/embed/frame src>, <object data>) other than from a data: URI,
-# a <base href>, and in its CSS (<style> blocks, style attributes) @import or a url() not data:.
-# Read with an HTML parser, so text that only looks like markup (escaped code) is text.
+# a <base href>, a <noscript> (raw text where scripts run, markup to a parser where they do not), and
+# in its CSS (<style> blocks, style attributes) @import or a url() not data:. Read with html5lib, which
+# tokenises as the HTML standard says, as browsers do: comments ending at `--!>`, `<!-->`, CDATA,
+# raw-text elements. (Python's HTMLParser differs on each, and a page it misreads could hide a tag.)
 _CSS_FETCH = re.compile(r"@import\b[^;]*;?|url\(\s*[\"']?(?!data:)[^)]*\)", re.IGNORECASE)
 # attributes whose value a browser fetches by itself (any element), and hrefs that fetch on these elements
 _FETCHED = {"src", "srcset", "poster", "background", "data", "lowsrc", "dynsrc", "xlink:href", "srcdoc", "ping"}
 _FETCHED_HREF = {"link", "base", "use", "image", "feimage", "script"}
+_XLINK = "{http://www.w3.org/1999/xlink}"
 
 
-class _Resources(HTMLParser):
-    """What in a page runs code or fetches by itself: scripts, event handlers, a refresh or other
-    http-equiv, <base>, frames' and media's sources, srcsets, CSS url()/@import; inline data: images
-    and links a reader clicks are fine."""
+def _local(name: str) -> str:
+    """An element's or attribute's name without its namespace (xlink's attributes keep `xlink:`)."""
+    if name.startswith(_XLINK):
+        return "xlink:" + name[len(_XLINK):]
+    return name.rsplit("}", 1)[-1].lower()
 
-    def __init__(self):
-        super().__init__(convert_charrefs=True)
-        self.found, self.in_style = [], False
 
-    def handle_starttag(self, tag, attrs):
-        shown = (f"<{tag} " + " ".join(f'{k}="{v}"' for k, v in attrs if v is not None))[:200]
-        if tag in ("script", "base") or (tag == "meta" and any(k == "http-equiv" and (v or "").lower() !=
-                                                                 "content-security-policy" for k, v in attrs)):
-            self.found.append(shown)
-        for name, value in attrs:
-            value = (value or "").strip()
-            if name.startswith("on"):
-                self.found.append(shown)
-            elif name in _FETCHED or (name == "href" and tag in _FETCHED_HREF):
-                if value and not (value.lower().startswith("data:") and name != "srcset") and \
-                        not (name == "xlink:href" and value.startswith("#")):
-                    self.found.append(shown)
-            elif name == "style":
-                self.found += [m.group(0)[:200] for m in _CSS_FETCH.finditer(value)]
-        self.in_style = tag == "style"
-
-    def handle_endtag(self, tag):
-        if tag == "style":
-            self.in_style = False
-
-    def handle_data(self, data):
-        if self.in_style:
-            self.found += [m.group(0)[:200] for m in _CSS_FETCH.finditer(data)]
+def _element_resources(tag: str, attrs: dict, text: str) -> list[str]:
+    shown = (f"<{tag} " + " ".join(f'{k}="{v}"' for k, v in attrs.items()))[:200]
+    found = []
+    if tag in ("script", "base", "noscript") or (tag == "meta" and any(
+            k == "http-equiv" and v.lower() != "content-security-policy" for k, v in attrs.items())):
+        found.append(shown)
+    for name, value in attrs.items():
+        value = value.strip()
+        if name.startswith("on"):
+            found.append(shown)
+        elif name in _FETCHED or (name == "href" and tag in _FETCHED_HREF):
+            if value and not (value.lower().startswith("data:") and name != "srcset") and \
+                    not (name == "xlink:href" and value.startswith("#")):
+                found.append(shown)
+        elif name == "style":
+            found += [m.group(0)[:200] for m in _CSS_FETCH.finditer(value)]
+    if tag == "style":
+        found += [m.group(0)[:200] for m in _CSS_FETCH.finditer(text)]
+    return found
 
 
 def external_resources(page: str) -> list[str]:
     """The places in an HTML page that would run a script or fetch a file (an empty list: the page
-    is self-contained). Images from data: URIs, links (<a href>) and text are fine."""
-    reader = _Resources()
-    reader.feed(page)
-    reader.close()
-    return reader.found
+    is self-contained): scripts, event handlers, a refresh or other http-equiv, <base>, frames' and
+    media's sources, srcsets, CSS url()/@import. Images from data: URIs, links (<a href>) and text
+    are fine."""
+    import html5lib
+
+    found = []
+    for element in html5lib.parse(page, namespaceHTMLElements=False).iter():
+        if not isinstance(element.tag, str):  # a comment
+            continue
+        attrs = {_local(k): v or "" for k, v in element.attrib.items()}
+        found += _element_resources(_local(element.tag), attrs, "".join(element.itertext()))
+    return found
 
 
 def notebook_html(executed: Path, header: str) -> str:

@@ -41,10 +41,22 @@ def _writer() -> str:
     return f"glmkit {__version__}, written by `{command}` (pid {os.getpid()} on {socket.gethostname()})"
 
 
+def _write_marker(path: Path, text: str) -> None:
+    """Whole or not at all (a temporary name, then a rename): a marker cut by a full disk would claim
+    nothing, and the output it stands beside could then never be replaced by --overwrite."""
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(text, **_NAMES)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+
+
 def mark(folder: Path, what: str) -> None:
     """The marker of a directory glmkit wrote: its kind, glmkit's version and the command that wrote it."""
-    (Path(folder) / MARKER).write_text(f"kind: {what}\n{_writer()}\nglmkit --overwrite may replace this directory\n",
-                                       **_NAMES)
+    _write_marker(Path(folder) / MARKER, f"kind: {what}\n{_writer()}\nglmkit --overwrite may replace this directory\n")
 
 
 def _is_marker(path: Path) -> bool:
@@ -97,8 +109,7 @@ def file_marker(path: Path) -> Path:
 
 
 def mark_file(path: Path, what: str) -> None:
-    file_marker(path).write_text(f"kind: {what}\n{_writer()}\nglmkit --overwrite may replace {Path(path).name}\n",
-                                 **_NAMES)
+    _write_marker(file_marker(path), f"kind: {what}\n{_writer()}\nglmkit --overwrite may replace {Path(path).name}\n")
 
 
 def is_glmkit_file(path: Path) -> bool:
@@ -372,11 +383,15 @@ class RunLock:
         if before:
             warnings.warn(f"{self.flag} {self.target}: took over the lock of a run that ended without releasing it "
                           f"({before})", stacklevel=2)
-        handle.seek(0)
-        handle.truncate()
-        handle.write(f"pid={os.getpid()} host={socket.gethostname()} started={time.strftime('%Y-%m-%dT%H:%M:%S')}\n")
-        handle.flush()
         self.handle = handle
+        try:
+            handle.seek(0)
+            handle.truncate()
+            handle.write(f"pid={os.getpid()} host={socket.gethostname()} started={time.strftime('%Y-%m-%dT%H:%M:%S')}\n")
+            handle.flush()
+        except BaseException:  # a full disk: no half-written lock is left for the next run to puzzle over
+            self.__exit__()
+            raise
         return self
 
     def __exit__(self, *exc):

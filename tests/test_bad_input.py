@@ -779,6 +779,25 @@ def test_a_checkpoint_name_that_is_a_symlink_is_replaced_without_touching_its_ta
     _save_checkpoint(TrainConfig(checkpoint=str(ckpt), prompt_data="p", save=str(save)), 2, policy, optimizer, None)
     assert not (save / "iter_0000002").is_symlink() and (save / "iter_0000002" / "state.json").is_file()
     assert (save / "iter_0000001" / "mine.txt").read_text() == "keep"
+    # every file gets the umask's mode (safetensors creates its own 0600)
+    umask = os.umask(0o022)
+    os.umask(umask)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (save / "iter_0000002").rglob("*") if p.is_file()}
+    assert "optimizer.safetensors" in modes and set(modes.values()) == {0o666 & ~umask}, modes
+
+
+def test_resume_refuses_an_iteration_that_is_a_symlink(tmp_path):
+    """glmkit writes iter_* as directories; a link in its place (to another run's checkpoint, say) is
+    not continued from."""
+    from glmkit.rl.loop import TrainConfig, _latest
+
+    save = tmp_path / "save"
+    (tmp_path / "elsewhere").mkdir()
+    save.mkdir()
+    (save / "iter_0000003").symlink_to(tmp_path / "elsewhere")
+    (save / "latest_checkpointed_iteration.txt").write_text("3")
+    with pytest.raises(ValueError, match=r"iter_0000003 is a symbolic link .*--resume continues only"):
+        _latest(TrainConfig(checkpoint="c", prompt_data="p", save=str(save)))
 
 
 def test_marker_files_keep_names_that_are_not_utf8(tmp_path):
@@ -878,3 +897,44 @@ def test_config_numbers_every_forward_uses_are_checked_at_load(tiny_ckpt, tmp_pa
     (bad / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match=rf"{name} must be a positive finite number, got {value!r}"):
         open_checkpoint(bad)
+
+
+def _train_with_file_size_limit(tmp_path, limit: int):
+    """`glmkit train` in a child whose files may not grow past `limit` bytes (RLIMIT_FSIZE, SIGXFSZ
+    ignored): each write past it fails with EFBIG as a full disk fails with ENOSPC, after a short write."""
+    import resource
+    import signal
+
+    def limited():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    metrics = tmp_path / "m.jsonl"
+    done = subprocess.run([sys.executable, "-m", "glmkit", "train", "--num-rollout", "3",
+                           "--metrics-out", str(metrics)], capture_output=True, text=True, timeout=600,
+                          preexec_fn=limited)
+    return done, metrics
+
+
+def test_a_disk_that_fills_mid_run_leaves_whole_rows_only(tmp_path):
+    """A write the disk cuts short used to leave half a row at the end of the metrics file; it is cut
+    back to the last whole row, the run ends with exit 4 and one line, and the file stays glmkit's."""
+    from glmkit.outputs import is_glmkit_file
+
+    done, metrics = _train_with_file_size_limit(tmp_path, 3000)  # a few rows fit (each ~1 KB)
+    assert done.returncode == 4, done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith("glmkit train: environment error: File too large")
+    text = metrics.read_text()
+    assert text and text.endswith("\n") and len(text) <= 3000
+    assert all(isinstance(json.loads(line), dict) for line in text.splitlines())
+    assert is_glmkit_file(metrics)
+
+
+def test_a_disk_full_before_the_first_row_leaves_nothing_claimed(tmp_path):
+    """The marker is written whole or not at all, before the metrics file: a disk full at the very start
+    used to leave an empty marker beside an empty metrics file, which no later run could replace."""
+    # room for the run lock's one line (pid, host, start time), not for the marker (which also names the host)
+    done, metrics = _train_with_file_size_limit(tmp_path, len(socket.gethostname()) + 90)
+    assert done.returncode == 4, done.stderr
+    assert "environment error: File too large" in done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".glmkit-lock")) == []

@@ -222,6 +222,9 @@ def hostile_report(tmp_path_factory) -> Path:
     cells = ["from IPython.display import HTML, Markdown, display"]
     cells += [f"display(HTML({b!r} + '<p>after {i}</p>'))" for i, b in enumerate(BYPASSES)]
     cells.append("display(Markdown('![tracker](https://evil.example/m.png) and <img src=x onerror=alert(1)> md'))")
+    # an image whose metadata the template writes into the <img> tag (hostile pass 3: the page was refused)
+    cells.append("display({'image/png': 'iVBORw0KGgo='}, raw=True, metadata={'image/png': {'width': "
+                 "'1\" onerror=\"fetch(1)', 'height': 7}, 'filenames': {'image/png': 'https://evil.example/f.png'}})")
     page = notebook(root / "hostile.ipynb", *cells,
                     markdown="# Notes\n\n![pixel](https://evil.example/pixel.png)\n\n<iframe src='https://evil.example'>"
                              "</iframe>\n\n[ok link](https://example.org) and $x^2$")
@@ -240,6 +243,9 @@ def test_a_report_is_sealed_against_known_bypasses(hostile_report):
     for i in range(len(BYPASSES)):
         assert f"after {i}" in text                               # the harmless text around each survives
     assert 'href="https://example.org/docs"' in text and 'href="https://example.org"' in text and "$x^2$" in text
+    image = re.search(r'<img [^>]*height="7"[^>]*>', text)  # its settings kept as numbers, nothing else
+    assert image and "onerror" not in image.group(0) and "width" not in image.group(0), image
+    assert 'src="data:image/png;base64,iVBORw0KGgo="' in image.group(0)
     head = text[text.lower().index("<head"):]
     assert head[head.index(">") + 1:].lstrip().startswith('<meta http-equiv="Content-Security-Policy"')
     assert "default-src 'none'" in text and "script-src 'none'" in text
@@ -373,6 +379,13 @@ def test_a_javascript_output_is_dropped_not_run(tmp_path):
     '<table background="https://example.org/t.png"></table>',
     '<iframe srcdoc="&lt;script&gt;alert(1)&lt;/script&gt;"></iframe>',
     '<a href="https://example.org" ping="https://example.org/track">a</a>',
+    # where Python's HTMLParser tokenises differently from a browser (the rule reads pages with html5lib)
+    '<!-- --!><meta http-equiv="refresh" content="0;url=https://example.org/"><!-- -->',
+    '<!--><img src="https://example.org/x.png"><!-- -->',
+    '<!---><img src="https://example.org/x.png"><!-- -->',
+    '<![CDATA[ x><img src="https://example.org/x.png"> ]]>',
+    '<textarea><!--</textarea><img src="https://example.org/x.png">--></textarea>',
+    '<noscript><p title="</noscript><img src=https://example.org/x.png>"></noscript>',
 ])
 def test_external_resource_rule_flags_what_would_load_or_run(snippet):
     assert external_resources(f"<html><head></head><body>{snippet}</body></html>")

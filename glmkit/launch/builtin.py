@@ -30,6 +30,8 @@ import argparse
 import json
 import sys
 
+from glmkit.inputs import ascii_float, ascii_int
+
 METRICS_PREFIX = "GLMKIT_METRICS "
 DONE_PREFIX = "GLMKIT_DONE "
 ROLLOUT_SHARE, TRAINER_SHARE = 0.2, 0.4   # of a bundle's GPU (or CPU), as the framework colocates
@@ -189,12 +191,12 @@ class TrainerWorker:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="glmkit's GRPO as Ray actors (a Ray job's entrypoint)")
     parser.add_argument("--config-json", required=True, help="TrainConfig fields as a JSON object")
-    parser.add_argument("--rollout-actors", type=int, default=1)
-    parser.add_argument("--trainers", type=int, default=0,
+    parser.add_argument("--rollout-actors", type=ascii_int, default=1)
+    parser.add_argument("--trainers", type=ascii_int, default=0,
                         help="0: one trainer colocated with rollout actor 0; N: N data-parallel trainer ranks on "
                              "bundles of their own, weights to the rollout actors over a process group")
     parser.add_argument("--gpus", action="store_true", help="bundles and actor shares are GPUs")
-    parser.add_argument("--bundle-gpu", type=float, default=1.0,
+    parser.add_argument("--bundle-gpu", type=ascii_float, default=1.0,
                         help="with --gpus, the GPU a bundle holds: 1 (default) or a fraction, so that several bundles "
                              "share one GPU (the separate layout tried on a one-GPU host); the world then runs over "
                              "gloo, as NCCL takes one rank per GPU")

@@ -25,7 +25,7 @@ from glmkit.inputs import not_a_file, read_marker
 from glmkit.model.rollout import GREEDY_BELOW
 from glmkit.outputs import (MARKER, RunLock, check_dir_out, check_file_out, is_glmkit_file, is_glmkit_output, mark_file,
                             refuse_input_as_output, refuse_package_paths, refuse_replacing,
-                            staging_dir)
+                            staging_dir, usual_modes)
 from glmkit.rl import grpo
 from glmkit.rl.lora import DEFAULT_EXCLUDE
 
@@ -161,6 +161,7 @@ def _save_checkpoint(cfg, step: int, policy, optimizer, lora_names) -> Path:
         save_file(tensors, str(staging / "optimizer.safetensors"))
         (staging / "state.json").write_text(json.dumps({"step": step, "param_groups": state["param_groups"],
                                                         "lora": lora_names, "config": asdict(cfg)}, default=str))
+        usual_modes(staging)  # safetensors creates its files 0600; a checkpoint gets the umask's modes
         if final.is_symlink():
             final.unlink()  # the link only: what it points to is not glmkit's to replace
         elif final.exists():
@@ -184,6 +185,9 @@ def _latest(cfg) -> Path | None:
         raise ValueError(f"{marker}: expected the latest iteration number, found {text[:40]!r}; --resume cannot tell "
                          f"which checkpoint to continue from (write the number of an iter_* directory there)")
     folder = Path(cfg.save) / f"iter_{int(text):07d}"
+    if folder.is_symlink():  # glmkit writes iter_* as directories: a link there is someone else's
+        raise ValueError(f"{folder} is a symbolic link (to {os.readlink(folder)}); --resume continues only from a "
+                         f"checkpoint directory this run's --save holds")
     if not folder.is_dir():
         raise ValueError(f"{marker} names iteration {int(text)} but {folder} does not exist")
     return folder
@@ -730,8 +734,8 @@ class GRPOTrainer:
         bar = tqdm(steps, desc="GRPO", unit="rollout", disable=not (cfg.progress and self.lead))
         # other data-parallel ranks compute the same rows and keep them; rank 0 alone writes them
         if self.lead and not is_glmkit_file(out):
+            mark_file(out, "metrics file")  # the marker first: a metrics file never stands unmarked
             out.touch()
-            mark_file(out, "metrics file")
         try:
             return self._run(out, bar, history, on_metrics)
         finally:
@@ -739,7 +743,8 @@ class GRPOTrainer:
 
     def _run(self, out, bar, history, on_metrics):
         cfg = self.cfg
-        with (out.open("a") if self.lead else contextlib.nullcontext()) as stream:
+        # unbuffered bytes: each row is written whole or cut back (append_row), never left half a line
+        with (out.open("ab", buffering=0) if self.lead else contextlib.nullcontext()) as stream:
             for step in bar:
                 rows = self.step(step)
                 for row in rows:
@@ -747,8 +752,7 @@ class GRPOTrainer:
                     history.append(row)
                     if not self.lead:
                         continue
-                    stream.write(json.dumps(row, allow_nan=False) + "\n")
-                    stream.flush()  # a crash loses nothing already measured
+                    append_row(stream, json.dumps(row, allow_nan=False))  # a crash loses nothing already measured
                     if on_metrics is not None:
                         on_metrics(row)
                 last_train = next((r for r in reversed(rows) if "train/step" in r), {})
@@ -763,6 +767,20 @@ class GRPOTrainer:
                                        f"had a NaN / Inf loss or gradient norm (each was skipped; see "
                                        f"train/step_skipped in {out})")
         return history
+
+
+def append_row(stream, row: str) -> None:
+    """One JSON line appended to an unbuffered binary stream, whole: a write the disk cuts short (full,
+    over quota) is truncated back to the last whole row before the error goes on, so the file a later
+    run, a notebook or --resume reads never ends in a cut row."""
+    start = os.fstat(stream.fileno()).st_size
+    data = memoryview((row + "\n").encode("utf-8", "surrogateescape"))
+    try:
+        while data:
+            data = data[stream.write(data):]  # a raw write may take only part
+    except BaseException:
+        os.ftruncate(stream.fileno(), start)
+        raise
 
 
 class NonFiniteRun(RuntimeError):

@@ -285,6 +285,10 @@ def cmd_reward(args) -> int:
     if len(data) > MAX_RESPONSE_BYTES:
         raise ValueError(f"stdin: the response is longer than {MAX_RESPONSE_BYTES} bytes; give one response")
     text = data.decode("utf-8", errors="replace") if isinstance(data, bytes) else data
+    if not (dapo_label(args.label) if args.rm_type == "dapo" else args.label.strip()):
+        # a label is any text the grader compares (as the framework's are), but an empty one matches nothing
+        raise ValueError(f"--label {args.label!r}: empty{' once normalised' if args.label.strip() else ''}; "
+                         f"no response can match it")
     print(json.dumps(score(args.rm_type, text, args.label)))
     return 0
 
