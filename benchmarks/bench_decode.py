@@ -85,7 +85,7 @@ def main(argv=None):
         raise SystemExit("--batches, --mixed-slots and --prefill-chunk must be >= 1")
 
     from benchmarks.bench_gpu import share_with_reference
-    from glmkit.checkpoint.synth import synth_model
+    from glmkit.model.synth import synth_model
     from glmkit.config import describe, variant_config
     from glmkit.model import RolloutEngine
     from glmkit.model.rollout import GraphedStep, SamplingParams

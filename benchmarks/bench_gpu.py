@@ -79,7 +79,7 @@ def measure(fn, repeat: int) -> dict:
 
 # ---- models ------------------------------------------------------------------------------------
 def build_glmkit(config, seed: int, dtype):
-    from glmkit.checkpoint.synth import synth_model
+    from glmkit.model.synth import synth_model
 
     return synth_model(config, seed, dtype=dtype, device="cuda")
 

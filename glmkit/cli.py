@@ -1108,12 +1108,26 @@ def _answer_failure(command: str, err: Exception) -> int:
             print(_error_text(command, err), file=sys.stderr)
             return EXIT_BAD_INPUT
         return _wrapped_environment_error(command, err) or _internal_error(command, err)
+    if _out_of_memory(err):
+        print(f"glmkit {command}: environment error: out of memory ({str(err).splitlines()[0][:160] if str(err) else type(err).__name__}); "
+              f"a smaller input, or a machine with more free memory (nothing half-written is left in place)",
+              file=sys.stderr)
+        return EXIT_ENVIRONMENT
     if isinstance(err, (CheckpointError, ValueError, ImportError)):
         if isinstance(err, ValueError) and not isinstance(err, CheckpointError) and not _raised_by_glmkit(err):
             return _wrapped_environment_error(command, err) or _internal_error(command, err)
         print(_error_text(command, err), file=sys.stderr)
         return EXIT_BAD_INPUT
     return _wrapped_environment_error(command, err) or _internal_error(command, err)
+
+
+def _out_of_memory(err: BaseException) -> bool:
+    """Memory the machine could not give: Python's MemoryError, torch's CUDA out-of-memory error and its
+    CPU allocator's RuntimeError."""
+    import torch
+
+    return isinstance(err, (MemoryError, torch.OutOfMemoryError)) or (
+        isinstance(err, RuntimeError) and "can't allocate memory" in str(err))
 
 
 def _wrapped_environment_error(command: str, err: BaseException) -> int | None:

@@ -46,6 +46,11 @@ WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 # output types the report never carries: they are code (or state for code) a browser would run
 CODE_MIMETYPES = (WIDGET_VIEW, "application/javascript", "text/javascript",
                   "application/vnd.jupyter.widget-state+json")
+# the output types a report shows, each of which the template escapes or the sanitiser cleans (text/html,
+# and markdown through the sealed exporter); any other (SVG, Mermaid, PDF, JSON views, ...) is written
+# into the page by the template as it is, or is code, and is left out
+REPORT_MIMETYPES = ("text/plain", "text/html", "text/markdown", "text/latex", "image/png", "image/jpeg")
+_BASE64 = re.compile(r"[A-Za-z0-9+/=\s]*")
 # JupyterLab's template with every block that loads code left empty: require.js, the widget manager
 # (from unpkg, at an unpinned version), MathJax and Mermaid (from cdnjs), and the outputs that run JS
 OFFLINE_TEMPLATE = "glmkit_offline.html.j2"
@@ -171,10 +176,10 @@ verdict: {html.escape(verdict_label(verdict))}</div>
 
 
 def offline_notebook(nb):
-    """A copy of an executed notebook for the report: no widget state, and each output without its
-    code representations (`CODE_MIMETYPES`) and SVG (it can carry scripts and links); its HTML
-    through the sanitiser (`glmkit.seal`); what `widgets.show` displayed keeps its static PNG or
-    HTML, and a bare widget (nothing but its text repr left) is dropped."""
+    """A copy of an executed notebook for the report: no widget state, and each output with only the
+    types in `REPORT_MIMETYPES` (images only when their data is base64); its HTML through the sanitiser
+    (`glmkit.seal`); what `widgets.show` displayed keeps its static PNG or HTML, and a bare widget (or
+    script: nothing but its text repr left) is dropped."""
     from glmkit.seal import sanitize_html
 
     nb = copy.deepcopy(nb)
@@ -188,10 +193,11 @@ def offline_notebook(nb):
                 output["metadata"] = _image_metadata(output["metadata"])
             data = output.get("data")
             if data is not None:
-                code = [m for m in (*CODE_MIMETYPES, "image/svg+xml") if m in data]
-                for mime in code:
+                dropped = [m for m in data if m not in REPORT_MIMETYPES or (
+                    m.startswith("image/") and not (isinstance(data[m], str) and _BASE64.fullmatch(data[m])))]
+                for mime in dropped:
                     del data[mime]
-                if code and set(data) <= {"text/plain"}:
+                if set(dropped) & set(CODE_MIMETYPES) and set(data) <= {"text/plain"}:
                     continue
                 if "text/html" in data:
                     html_text = data["text/html"]

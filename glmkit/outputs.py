@@ -24,6 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from glmkit.inputs import not_a_file
+
 MARKER = ".glmkit-output"
 STALE_ELSEWHERE_S = 24 * 3600  # another host's staging directory: stale when untouched this long
 _STAGING = re.compile(r"\.(?P<name>.+)\.tmp-(?P<host>.+)-(?P<pid>\d+)-[a-z0-9_]{8}")
@@ -196,9 +198,13 @@ def check_file_out(path, flag: str | None = None) -> Path:
     """An output file: not a directory, below a directory (or where one can be made)."""
     if str(path) == "":
         raise ValueError(f"{flag or 'the output path'} is empty; name a file")
+    if str(path) == "-":
+        raise ValueError(f"{flag or 'the output path'} -: glmkit writes to a file, not to standard output; name a file")
     path = Path(path)
     if path.is_dir():
         raise ValueError(f"{_prefix(flag, path)}: is a directory; give a file path")
+    if path.exists() and (why := not_a_file(path)) is not None:  # a pipe or a device is nobody's output file
+        raise ValueError(f"{_prefix(flag, path)}: {why}; give the path of a regular file")
     _check_ancestors(path, flag)
     return path
 

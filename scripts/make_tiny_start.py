@@ -34,7 +34,7 @@ def main(argv=None):
     from glmkit.model import RolloutEngine, SamplingParams, TrainPath, load_model, save_model
     from glmkit.rl.data import format_response, load_prompts
     from glmkit.rl.rewards import score
-    from glmkit.rl.tokenizer import TINY_TOKENIZER, load_tokenizer
+    from glmkit.tokenizer import TINY_TOKENIZER, load_tokenizer
 
     torch.manual_seed(args.seed)
     tokenizer = load_tokenizer(None)

@@ -585,7 +585,7 @@ def test_tokenizer_folder_naming_custom_code_never_runs_it(tmp_path, monkeypatch
     it, with the code never imported, even with a "y" waiting on standard input."""
     import io
 
-    from glmkit.rl.tokenizer import TINY_TOKENIZER, load_tokenizer
+    from glmkit.tokenizer import TINY_TOKENIZER, load_tokenizer
 
     folder = tmp_path / "tok"
     shutil.copytree(TINY_TOKENIZER, folder)
@@ -602,7 +602,7 @@ def test_tokenizer_folder_naming_custom_code_never_runs_it(tmp_path, monkeypatch
 
 
 def test_corrupt_tokenizer_file_names_its_folder(tmp_path):
-    from glmkit.rl.tokenizer import TINY_TOKENIZER, load_tokenizer
+    from glmkit.tokenizer import TINY_TOKENIZER, load_tokenizer
 
     folder = tmp_path / "tok"
     shutil.copytree(TINY_TOKENIZER, folder)
@@ -786,6 +786,36 @@ def test_a_checkpoint_name_that_is_a_symlink_is_replaced_without_touching_its_ta
     assert "optimizer.safetensors" in modes and set(modes.values()) == {0o666 & ~umask}, modes
 
 
+def test_overwrite_of_a_training_run_removes_nothing_it_did_not_write(tmp_path):
+    """Hostile pass 4: `train --overwrite` deleted a user's file inside iter_*, and with a linked iter_*
+    deleted the metrics and every checkpoint before failing with exit 3. Both are refused before
+    anything is removed; a checkpoint as glmkit left it is still replaced."""
+    from glmkit.checkpoint import synth_checkpoint
+    from glmkit.model import load_model
+    from glmkit.outputs import mark_file
+    from glmkit.rl.loop import TrainConfig, _claim_outputs, _save_checkpoint
+
+    ckpt = synth_checkpoint("tiny", 0, tmp_path / "ck", progress=False)
+    save, metrics = tmp_path / "save", tmp_path / "m.jsonl"
+    cfg = TrainConfig(checkpoint=str(ckpt), prompt_data="p", save=str(save), metrics_out=str(metrics), overwrite=True)
+    policy = load_model(ckpt)
+    _save_checkpoint(cfg, 1, policy, torch.optim.AdamW(policy.parameters(), lr=1e-6), None)
+    metrics.write_text('{"step": 0}\n')
+    mark_file(metrics, "metrics file")
+    (save / "iter_0000001" / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match=r"iter_0000001/notes.txt added after glmkit wrote the checkpoint"):
+        _claim_outputs(cfg)
+    (save / "iter_0000001" / "notes.txt").unlink()
+    (tmp_path / "elsewhere").mkdir()
+    (save / "iter_0000005").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(ValueError, match=r"iter_0000005 is a symbolic link; --overwrite never removes through a link"):
+        _claim_outputs(cfg)
+    assert metrics.is_file() and (save / "iter_0000001" / "state.json").is_file()  # nothing removed
+    (save / "iter_0000005").unlink()
+    notes = _claim_outputs(cfg)
+    assert not metrics.exists() and not (save / "iter_0000001").exists() and len(notes) == 2
+
+
 def test_resume_refuses_an_iteration_that_is_a_symlink(tmp_path):
     """glmkit writes iter_* as directories; a link in its place (to another run's checkpoint, say) is
     not continued from."""
@@ -848,6 +878,18 @@ def test_an_empty_or_foreign_marker_claims_nothing(tmp_path):
 def test_serve_empty_host_is_refused_not_every_interface(tiny_ckpt):
     out = glmkit("serve", "--checkpoint", tiny_ckpt, "--host", "", "--port", 0)
     assert error(out).startswith("glmkit serve: error: --host '': empty (it would listen on every interface)")
+
+
+@pytest.mark.parametrize("host", ["0", "0x0", "0.0"])
+def test_serve_host_shorthands_for_every_interface_are_refused(host):
+    """Hostile pass 4: `--host 0` listened on 0.0.0.0 and printed http://0:PORT. Every interface is asked
+    for in words; the check runs before the model loads."""
+    from glmkit.serve.server import _check_host
+
+    with pytest.raises(ValueError, match=rf"--host '{host}' means every interface \(0.0.0.0\)"):
+        _check_host(host)
+    for meant in ("127.0.0.1", "0.0.0.0", "::"):
+        _check_host(meant)
 
 
 def test_safetensors_header_length_is_bounded_before_it_is_read(tmp_path):
@@ -938,3 +980,18 @@ def test_a_disk_full_before_the_first_row_leaves_nothing_claimed(tmp_path):
     assert done.returncode == 4, done.stderr
     assert "environment error: File too large" in done.stderr
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".glmkit-lock")) == []
+
+
+def test_an_output_file_is_a_regular_file_and_never_standard_output(tmp_path):
+    """Hostile pass 4: `--metrics-out /dev/null` or a FIFO was told it 'already holds a run's metrics', and
+    `--metrics-out -` wrote a file named '-'. Both are refused by what they are."""
+    from glmkit.outputs import check_file_out
+
+    os.mkfifo(tmp_path / "pipe")
+    with pytest.raises(ValueError, match="--metrics-out -: glmkit writes to a file, not to standard output"):
+        check_file_out("-", "--metrics-out")
+    with pytest.raises(ValueError, match=r"pipe: is a named pipe \(FIFO\); give the path of a regular file"):
+        check_file_out(tmp_path / "pipe", "--metrics-out")
+    with pytest.raises(ValueError, match="/dev/null: is a character device"):
+        check_file_out("/dev/null", "--metrics-out")
+    assert check_file_out(tmp_path / "m.jsonl", "--metrics-out") == tmp_path / "m.jsonl"

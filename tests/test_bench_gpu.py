@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from glmkit.checkpoint.synth import synth_checkpoint, synth_model
+from glmkit.checkpoint.synth import synth_checkpoint
+from glmkit.model.synth import synth_model
 from glmkit.config import variant_config
 from glmkit.model import TrainPath, load_model
 

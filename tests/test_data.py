@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from glmkit.rl.data import DEFAULT_DAPO_PATH, Problem, format_response, load_prompts
-from glmkit.rl.tokenizer import load_tokenizer
+from glmkit.tokenizer import load_tokenizer
 
 ARITH = Path(__file__).resolve().parents[1] / "glmkit" / "assets" / "arith"
 

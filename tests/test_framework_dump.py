@@ -11,6 +11,7 @@ back is exact to ~1e-7; an injected divergence (a weight scaled by 1.1) moves it
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -441,3 +442,48 @@ def test_rids_missing_in_some_steps_are_named_not_blamed_on_the_prefix_cache(tmp
     with pytest.raises(ValueError, match=r"engine steps \[2\] have no rids \(or not one per request\) while other "
                                          r"steps do"):
         read_framework_dump(_slot_engine(tmp_path, with_rids=(True, True, False, True)))
+
+
+def _first(pattern):
+    """An edit applied to the files whose names match `pattern`."""
+    def apply(change):
+        def edit(name, data):
+            if re.search(pattern, name):
+                change(data)
+        return edit
+    return apply
+
+
+@pytest.mark.parametrize("pattern, change, message", [
+    (r"step=0___rank=0___.*attn_output", lambda d: d.update(meta=[1, 2]), "meta is a list; the dumper writes a dict"),
+    (r"attn_output", lambda d: d["meta"].update(dims=5), "dims is a int; the dumper writes a string"),
+    (r"step=1___.*name=(positions|seq_lens)___", lambda d: d.update(value=d["value"] + 10 ** 12),
+     r"has no token at position \d+ "),
+    (r"step=1___.*name=positions___", lambda d: d.update(value=d["value"] - 100), "positions holds -"),
+    (r"name=positions___", lambda d: d.update(value=d["value"].float() + 0.5), "positions is a torch.float32 tensor"),
+    (r"step=0___rank=0___.*attn_output", lambda d: d.update(value=d["value"].to_sparse()), "sparse_coo tensor"),
+    (r"step=0___rank=1___.*attn_output", lambda d: d.update(value=d["value"][:, :3]), "pieces of shapes"),
+    (r"step=0___rank=1___.*attn_output", lambda d: d["meta"]["sglang_parallel_info"].update(tp_size=7),
+     "the ranks' parallel info gives tp sizes"),
+    (r"name=attn_output", lambda d: d.update(value=torch.tensor(1.0), meta={k: v for k, v in d["meta"].items()
+                                                                             if k != "dims"}), "not a tensor with a token dim"),
+])
+def test_malformed_dump_fields_are_refused_by_name(tmp_path, pattern, change, message):
+    """Hostile pass 4: each of these ended in exit 3 (a TypeError, KeyError, IndexError or torch error deep
+    in the reader) or, for positions of 10**12, built a set of 10**12 positions. Each is a ValueError
+    naming the field, read in well under a second."""
+    _copy_real(tmp_path, edit=_first(pattern)(change))
+    with pytest.raises(ValueError, match=message):
+        read_framework_dump(tmp_path / "engines")
+
+
+def test_a_dump_file_that_is_a_pipe_or_a_bad_tag_is_refused_by_name(tmp_path):
+    folder = _copy_real(tmp_path)
+    os.mkfifo(folder / "step=0___rank=0___dump_index=900___name=attn_output___layer_id=0.pt")
+    with pytest.raises(ValueError, match=r"is a named pipe \(FIFO\); a dump file is a regular file"):
+        read_framework_dump(tmp_path / "engines")  # blocked in torch.load for ever before
+    (folder / "step=0___rank=0___dump_index=900___name=attn_output___layer_id=0.pt").unlink()
+    one = next(folder.glob("step=2___rank=0___*"))
+    one.rename(folder / one.name.replace("step=2", "step=x"))
+    with pytest.raises(ValueError, match=r"step='x' in the file name is not an integer"):
+        read_framework_dump(tmp_path / "engines")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from glmkit.checkpoint.synth import synth_model
+from glmkit.model.synth import synth_model
 from glmkit.kernels import fuse
 from glmkit.kernels.backends import Backends
 from glmkit.model import TrainPath

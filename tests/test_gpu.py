@@ -253,7 +253,7 @@ def test_fused_elementwise_bf16_is_as_close_to_fp32_as_eager():
     far from fp32 as eager bf16 is (+1e-3). KDA runs its torch form: its fused sites (decay, the short
     conv under fla's crossover, the norms) are the same with fla, whose kernels would autotune afresh
     for each dtype and head size (minutes on a fresh machine)."""
-    from glmkit.checkpoint.synth import synth_model
+    from glmkit.model.synth import synth_model
     from glmkit.config import variant_config
     from glmkit.model import TrainPath, cast_model
 
@@ -342,7 +342,7 @@ def test_graphed_decode_step_gives_the_eager_steps_logits_and_tokens(kda):
     caches (lengths, KDA states, DSA latents, indexer pools) advance the same."""
     import copy
 
-    from glmkit.checkpoint.synth import synth_model
+    from glmkit.model.synth import synth_model
     from glmkit.config import variant_config
     from glmkit.model import RolloutEngine
     from glmkit.model.rollout import DecodeBatch, GraphedStep, _decode_buffers
@@ -373,7 +373,7 @@ def test_graphed_generate_and_slot_batch_give_the_eager_completions():
     same kernels on the same inputs, so tokens, finish reasons and the recorded experts and
     selections must be equal and the log-probs within 1e-3 (a margin for kernels whose summation
     order is not fixed)."""
-    from glmkit.checkpoint.synth import synth_model
+    from glmkit.model.synth import synth_model
     from glmkit.config import variant_config
     from glmkit.model import RolloutEngine
     from glmkit.model.rollout import SamplingParams
@@ -433,7 +433,7 @@ def test_chunked_prefill_on_gpu_gives_the_whole_prompt_completions():
     initial states, the Triton cache kernel) against whole-prompt joins: tiny variant in fp32 on
     CUDA, greedy; fp32 leaves only summation-order differences, so the tokens must be equal and the
     log-probs within 1e-3 (fla's tf32 tiles)."""
-    from glmkit.checkpoint.synth import synth_model
+    from glmkit.model.synth import synth_model
     from glmkit.config import variant_config
     from glmkit.model import RolloutEngine
     from glmkit.model.rollout import SamplingParams

@@ -186,7 +186,7 @@ def test_rollout_buffer_round_trips_exactly_and_refuses_garbage():
 def test_announced_weights_name_their_dtypes_and_an_unknown_one_is_refused_first():
     """announce lists every tensor's name, dtype and shape in the order sent; a receiver refuses a dtype
     torch does not have (or any other attribute of torch) by the tensor's name, before receiving."""
-    from glmkit.rl.parallel import announce, receive_announced
+    from glmkit.collectives import announce, receive_announced
 
     tensors = {"b": torch.ones(2, 3, dtype=torch.bfloat16), "a": torch.arange(4).view(2, 2).t()}
     ordered, announced = announce(tensors, "cpu")

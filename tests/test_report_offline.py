@@ -225,6 +225,9 @@ def hostile_report(tmp_path_factory) -> Path:
     # an image whose metadata the template writes into the <img> tag (hostile pass 3: the page was refused)
     cells.append("display({'image/png': 'iVBORw0KGgo='}, raw=True, metadata={'image/png': {'width': "
                  "'1\" onerror=\"fetch(1)', 'height': 7}, 'filenames': {'image/png': 'https://evil.example/f.png'}})")
+    # an output type the template writes raw (hostile pass 4: a refresh reached the browser this way)
+    cells.append("display({'text/vnd.mermaid': '<![CDATA[><meta http-equiv=\"refresh\" content=\"0;url=https://"
+                 "evil.example/m\">]]>', 'text/plain': 'mermaid shown as its text'}, raw=True)")
     page = notebook(root / "hostile.ipynb", *cells,
                     markdown="# Notes\n\n![pixel](https://evil.example/pixel.png)\n\n<iframe src='https://evil.example'>"
                              "</iframe>\n\n[ok link](https://example.org) and $x^2$")
@@ -243,6 +246,7 @@ def test_a_report_is_sealed_against_known_bypasses(hostile_report):
     for i in range(len(BYPASSES)):
         assert f"after {i}" in text                               # the harmless text around each survives
     assert 'href="https://example.org/docs"' in text and 'href="https://example.org"' in text and "$x^2$" in text
+    assert "mermaid shown as its text" in text and 'class="mermaid"' not in text
     image = re.search(r'<img [^>]*height="7"[^>]*>', text)  # its settings kept as numbers, nothing else
     assert image and "onerror" not in image.group(0) and "width" not in image.group(0), image
     assert 'src="data:image/png;base64,iVBORw0KGgo="' in image.group(0)

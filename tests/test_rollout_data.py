@@ -265,3 +265,40 @@ def test_the_reference_head_in_chunks_equals_one_pass(rollout_file, monkeypatch)
     for a, b in zip(whole.samples, chunked.samples):
         assert len(a.reference) == len(b.reference) == a.sample.response_length
         assert max(abs(x - y) for x, y in zip(a.reference, b.reference)) < 1e-5
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: d.update(rollout_id=torch.tensor([1, 2])), "rollout_id: a Tensor; expected a number or a string"),
+    (lambda d: d.update(rollout_id=b"\xff"), "rollout_id: a bytes"),
+    (lambda d: d["samples"][0].update(index=torch.tensor([1, 2])), r"samples\[0\].index: a Tensor"),
+    (lambda d: d.update(metadata=torch.ones(3)), "metadata is a Tensor; the framework writes a dict"),
+    (lambda d: d["samples"][0].update(rollout_log_probs=[10 ** 400, 0.0]), "a number too large for a float"),
+])
+def test_values_the_report_writes_are_plain_or_refused_before_any_model_runs(tmp_path, edit, message):
+    """Hostile pass 4: these ended in exit 3 (a TypeError writing the JSON, after every sample was
+    recomputed). They are refused when the file is read; a numpy scalar id is read as its number."""
+    import numpy as np
+
+    from glmkit.parity.rollout_data import load_rollout_data
+
+    data = {"rollout_id": np.int64(3), "samples": [{"tokens": [1, 2, 3, 4], "response_length": 2,
+                                                   "rollout_log_probs": [-1.0, -2.0], "index": np.int64(7)}]}
+    torch.save(data, tmp_path / "ok.pt")
+    read = load_rollout_data(tmp_path / "ok.pt", 64)
+    assert (read.rollout_id, read.samples[0].index) == (3, 7) and type(read.rollout_id) is int
+    edit(data)
+    torch.save(data, tmp_path / "bad.pt")
+    with pytest.raises(ValueError, match=message):
+        load_rollout_data(tmp_path / "bad.pt", 64)
+
+
+def test_memory_the_machine_cannot_give_is_the_environments_error(capsys):
+    """A sample long enough that the reference cannot allocate its activations ended in exit 3; torch's
+    CPU allocator failure, its CUDA out-of-memory error and MemoryError are exit 4, one line."""
+    from glmkit.cli import EXIT_ENVIRONMENT, _answer_failure
+
+    for err in (RuntimeError("[enforce fail at alloc_cpu.cpp:121] data. DefaultCPUAllocator: can't allocate memory: "
+                             "you tried to allocate 6554648576 bytes. Error code 12 (Cannot allocate memory)"),
+                torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 32.00 GiB"), MemoryError()):
+        assert _answer_failure("rollout-data", err) == EXIT_ENVIRONMENT
+        assert capsys.readouterr().err.startswith("glmkit rollout-data: environment error: out of memory (")

@@ -50,7 +50,8 @@ class Server:
         assert "on http://127.0.0.1:" in line, f"server did not start: {line!r}"
         self.url = line.split(" on ")[1].split()[0]
         self.port = int(self.url.rsplit(":", 1)[1])
-        threading.Thread(target=self.proc.stdout.read, daemon=True).start()  # drain
+        self.output = []  # what it prints after the start line
+        threading.Thread(target=lambda: self.output.extend(self.proc.stdout), daemon=True).start()  # drain
         for _ in range(100):
             try:
                 requests.get(self.url + "/health", timeout=2)
@@ -612,3 +613,33 @@ def test_a_lone_surrogate_in_a_body_is_a_400_and_never_stored(server):
     paired = requests.post(server.url + "/generate", headers=headers, timeout=30,
                            data=rb'{"input_ids": [1, 2], "rid": "\ud83d\ude00", "sampling_params": {"max_new_tokens": 1}}')
     assert paired.status_code == 200, paired.text
+
+
+def test_a_client_leaving_mid_body_is_not_a_fault_and_no_page_loads_a_cdn(server):
+    """Hostile pass 4: each client that closed mid-body logged a full ASGI traceback; FastAPI's /docs
+    page loaded its scripts from a CDN. Now: nothing logged as a fault, no /docs or /redoc."""
+    import socket
+
+    host, port = server.url.removeprefix("http://").rsplit(":", 1)
+    before = len(server.output)
+    for _ in range(5):
+        with socket.create_connection((host, int(port)), timeout=10) as conn:
+            conn.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100000\r\n\r\n{\"text\": ")
+    assert requests.get(server.url + "/health", timeout=10).status_code == 200
+    time.sleep(1)
+    logged = "".join(server.output[before:])
+    assert "Traceback" not in logged and "Exception in ASGI application" not in logged, logged[-2000:]
+    assert requests.get(server.url + "/docs", timeout=10).status_code == 404
+    assert requests.get(server.url + "/redoc", timeout=10).status_code == 404
+    assert requests.get(server.url + "/openapi.json", timeout=10).status_code == 200
+
+
+def test_a_weight_version_is_a_short_printable_label(server):
+    """Hostile pass 4: any string was stored (NUL, 90 KB) and echoed in every answer."""
+    for version in ("x" * 257, "a\x00b", "line\nbreak"):
+        answer = requests.post(server.url + "/update_weight_version", json={"new_version": version}, timeout=10)
+        assert answer.status_code == 400 and "printable characters" in answer.text, answer.text
+    ok = requests.post(server.url + "/update_weight_version", json={"new_version": "step-12"}, timeout=10)
+    assert ok.status_code == 200 and requests.get(server.url + "/get_weight_version").json() == {"weight_version": "step-12"}
+    requests.post(server.url + "/update_weight_version", json={"new_version": "default"}, timeout=10)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from glmkit.rl.tokenizer import TINY_TOKENIZER, load_tokenizer
+from glmkit.tokenizer import TINY_TOKENIZER, load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -91,7 +91,7 @@ def synth_tensors(config: Glm5NextTextConfig, seed: int, dtype: torch.dtype = to
         yield name, synth_tensor(name, shape, seed, dtype, device)
 
 
-def _as_config(variant_or_config: str | Glm5NextTextConfig) -> Glm5NextTextConfig:
+def as_text_config(variant_or_config: str | Glm5NextTextConfig) -> Glm5NextTextConfig:
     if isinstance(variant_or_config, Glm5NextTextConfig):
         return variant_or_config
     return variant_config(variant_or_config)
@@ -101,25 +101,6 @@ def synth_checkpoint(variant_or_config: str | Glm5NextTextConfig, seed: int, out
                      dtype: torch.dtype = torch.float32, overwrite: bool = False, progress: bool = True,
                      max_shard_bytes: int = 5 * 2**30, device: str | torch.device = "cpu") -> Path:
     """Write a seeded random checkpoint for a variant name or a text config; returns `out`."""
-    config = _as_config(variant_or_config)
+    config = as_text_config(variant_or_config)
     tensors = synth_tensors(config, seed, dtype, progress, device)
     return save_checkpoint(out, config, tensors, max_shard_bytes=max_shard_bytes, overwrite=overwrite)
-
-
-@torch.no_grad()
-def synth_model(variant_or_config: str | Glm5NextTextConfig, seed: int, dtype: torch.dtype = torch.bfloat16,
-                device: str | torch.device = "cuda", progress: bool = True):
-    """glmkit's model with the values `synth_checkpoint(..., device=device)` would write, made in
-    place on `device` (no disk, no CPU copy): how benchmarks get a full-width model in seconds."""
-    from glmkit.checkpoint.names import LM_HEAD, TEXT_PREFIX
-    from glmkit.model import Glm5Model, cast_model
-
-    config = _as_config(variant_or_config)
-    with torch.device("meta"):
-        model = cast_model(Glm5Model(config), dtype)
-    model = model.to_empty(device=device)
-    state = model.state_dict()  # per-expert entries are views into the stacked expert weights
-    for name, target in tqdm(state.items(), total=len(state), desc="synth", unit="tensor", disable=not progress):
-        full = name if name == LM_HEAD else TEXT_PREFIX + name
-        target.copy_(synth_tensor(full, tuple(target.shape), seed, dtype, device, keep_on_device=True))
-    return model

@@ -19,6 +19,7 @@ bounded by the largest tensor.
 from __future__ import annotations
 
 import io
+import math
 import pickle
 import re
 import warnings
@@ -176,6 +177,14 @@ class TorchDistCheckpoint:
         if key not in self.tensors:
             raise KeyError(f"{key}: not a tensor of {self.path}")
         info = self.tensors[key]
+        # the index declares the shape; its chunks' stored bytes say what can be there (a damaged or hostile
+        # index must not make us allocate terabytes)
+        declared = math.prod(info.shape) * torch.empty((), dtype=info.dtype).element_size()
+        stored = sum(getattr(where, "length", 0) or 0 for index, where in
+                     (getattr(self.metadata, "storage_data", None) or {}).items() if getattr(index, "fqn", None) == key)
+        if declared > stored:
+            raise CheckpointError(f"{self.path}: {key} is declared {list(info.shape)} {info.dtype} ({declared} bytes) "
+                                  f"but its chunks store {stored} bytes: a damaged index")
         target = {key: torch.empty(info.shape, dtype=info.dtype)}
         reader = _SafeReader(self.path, self.metadata)
         with warnings.catch_warnings():  # one process, no process group: DCP says so, and loads

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
 
-KDA_BACKENDS = ("torch", "fla")
-DSA_BACKENDS = ("auto", "naive", "absorbed", "triton", "tilelang")
+from glmkit.kernels.dsa import BACKENDS as DSA_BACKENDS, get_backend as dsa_backend
+from glmkit.kernels.kda import BACKENDS as KDA_BACKENDS, get_backend as kda_backend
+
 MOE_BACKENDS = ("auto", "loop", "grouped")
 FUSE_MODES = ("auto", "on", "off")
 ALLOWED = {"kda": KDA_BACKENDS, "dsa": DSA_BACKENDS, "moe": MOE_BACKENDS, "fuse": FUSE_MODES}
@@ -72,11 +73,7 @@ class Backends:
         return ",".join(f"{f.name}={getattr(self, f.name)}" for f in fields(self))
 
     def kda_ops(self):
-        from glmkit.kernels.kda import get_backend
-
-        return get_backend(self.kda)
+        return kda_backend(self.kda)
 
     def dsa_ops(self):
-        from glmkit.kernels.dsa import get_backend
-
-        return get_backend(self.dsa)
+        return dsa_backend(self.dsa)

@@ -75,7 +75,7 @@ class RolloutWorker:
     def receive(self, announced: list) -> int:
         """The tensors trainer 0 broadcasts over the weights-update group, as announced [(name, dtype,
         shape)], loaded into this actor's model."""
-        from glmkit.rl.parallel import collective_device, receive_announced
+        from glmkit.collectives import collective_device, receive_announced
 
         device = collective_device(self.update_group)
         return self.load(receive_announced(announced, device, self.update_group))
@@ -87,7 +87,7 @@ def join_world(master: str, world: int, rank: int, trainers: int, backend: str):
     creates both groups, in this order, as torch requires."""
     import torch.distributed as dist
 
-    from glmkit.rl.parallel import init_group
+    from glmkit.collectives import init_group
 
     # GPU 0: the one Ray gave this actor
     init_group(backend, 0, init_method=f"tcp://{master}", world_size=world, rank=rank)
@@ -131,7 +131,7 @@ class RayRollout:
             ref = ray.put({name: t.detach().cpu() for name, t in tensors.items()})
             self._get([(name, actor.load.remote(ref)) for name, actor in zip(self.names, self.actors)])
             return
-        from glmkit.rl.parallel import announce, collective_device, send_announced
+        from glmkit.collectives import announce, collective_device, send_announced
 
         ordered, announced = announce(tensors, collective_device(self.update_group))
         calls = [(name, actor.receive.remote(announced)) for name, actor in zip(self.names, self.actors)]
@@ -214,7 +214,7 @@ def main(argv=None) -> int:
     if args.bundle_gpu < 1 and not args.gpus:
         raise SystemExit("--bundle-gpu is a GPU fraction: it needs --gpus")
 
-    from glmkit.launch.commands import NO_MULTICAST
+    from glmkit.collectives import NO_MULTICAST
 
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group

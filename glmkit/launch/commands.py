@@ -21,11 +21,11 @@ import json
 import shlex
 from dataclasses import dataclass, field
 
+from glmkit.collectives import NO_MULTICAST
 from glmkit.launch.launcher import MEGATRON_MODEL_TYPE, Launcher, parse_extra_env_vars
 
 MILES_DIR = "/root/miles"
 MEGATRON_DIR = "/root/Megatron-LM"
-NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from glmkit.inputs import UNPICKLE_ERRORS
+from glmkit.inputs import UNPICKLE_ERRORS, not_a_file
 from glmkit.parity.dump import Capture
 
 # The dump names glmkit reads, each a glmkit site (glmkit.model.sites). Names the framework's patcher
@@ -178,6 +178,8 @@ class _Record:
 
 
 def _load(file: Path) -> _Record:
+    if (why := not_a_file(file)) is not None:  # a pipe would block torch.load for ever
+        raise ValueError(f"{file}: {why}; a dump file is a regular file")
     try:
         data = torch.load(file, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
@@ -189,8 +191,23 @@ def _load(file: Path) -> _Record:
     if not (isinstance(data, dict) and "value" in data):
         raise ValueError(f"{file}: not a dumper file (expected {{'value': ..., 'meta': {{...}}}})")
     tags = parse_name(file.stem)
-    meta = {**(data.get("meta") or {}), **tags}
-    return _Record(tags, meta, data["value"], file)
+    for key in ("step", "rank", "dump_index", "layer_id"):
+        if key in tags and not isinstance(tags[key], int):
+            raise ValueError(f"{file}: {key}={tags[key]!r} in the file name is not an integer")
+    meta = data.get("meta")
+    if meta is not None and not isinstance(meta, dict):
+        raise ValueError(f"{file}: meta is a {type(meta).__name__}; the dumper writes a dict")
+    if (meta or {}).get("dims") is not None and not isinstance(meta["dims"], str):
+        raise ValueError(f"{file}: dims is a {type(meta['dims']).__name__}; the dumper writes a string such as 't h[tp]'")
+    value = data["value"]
+    if isinstance(value, torch.Tensor) and value.layout != torch.strided:
+        raise ValueError(f"{file}: a {value.layout} tensor; glmkit reads dense tensors")
+    meta = {**(meta or {}), **tags}
+    cp = _parallel(meta).get("cp", (0, 1))[1]
+    if cp > 1:
+        raise ValueError(f"{file}: context parallel size {cp}; glmkit does not read context-parallel dumps (dump "
+                         f"with context parallel size 1)")
+    return _Record(tags, meta, value, file)
 
 
 def _same(values) -> bool:
@@ -248,7 +265,14 @@ def _unshard(records: list, where: str) -> torch.Tensor:
                          f"{list(pieces[0][1].shape)}")
     for d, dim in enumerate(dims):
         for axis, qual in reversed(dim.shards):
-            size = pieces[0][0].get(axis, (0, 1))[1]
+            sizes = {p.get(axis, (0, 1))[1] for p, _ in pieces}
+            if len(sizes) > 1 or min(sizes) < 1:
+                raise ValueError(f"{where}: the ranks' parallel info gives {axis} sizes {sorted(sizes)[:4]}; "
+                                 f"expected one size >= 1")
+            size = sizes.pop()
+            if size > 1 and any(axis not in p for p, _ in pieces):
+                raise ValueError(f"{where}: dims shard it over {axis}, but a rank's parallel info has no integer "
+                                 f"{axis}_rank and {axis}_size")
             if (axis == "cp" and size > 1) or ("zigzag" in qual and size > 1):
                 raise ValueError(f"{where}: context parallelism ({axis}:{qual}, size {size}) is not read by glmkit; "
                                  f"dump with context parallel size 1")
@@ -266,7 +290,11 @@ def _unshard(records: list, where: str) -> torch.Tensor:
                     raise ValueError(f"{where}: {axis} ranks {[pv[0][axis][0] for pv in group]} dumped it; "
                                      f"{axis} size is {size}: a rank's file is missing")
                 values = [v for _, v in group]
-                combined = torch.stack(values).sum(0) if "partial" in qual else torch.cat(values, dim=d)
+                try:
+                    combined = torch.stack(values).sum(0) if "partial" in qual else torch.cat(values, dim=d)
+                except RuntimeError:
+                    raise ValueError(f"{where}: its {axis} pieces of shapes {[list(v.shape) for v in values][:4]} do "
+                                     f"not combine as dims {dims_text!r} say") from None
                 merged.append(({a: rv for a, rv in group[0][0].items() if a != axis}, combined))
             pieces = merged
     if len(pieces) > 1 and not _same([v for _, v in pieces]):
@@ -326,26 +354,37 @@ def _requests_by_slot(rows_of: dict, batch: dict, where: str) -> None:
                              f"requests (keep the dumper's non_intrusive_mode=core for every step)")
 
 
+def _integers(fields: dict, name: str, step: int, where: str) -> list[int]:
+    """A batch field as a flat list of non-negative ints; refused by name unless an integer tensor."""
+    value = fields[name]
+    if not isinstance(value, torch.Tensor) or value.dtype == torch.bool or value.is_floating_point() or \
+            value.is_complex():
+        kind = f"{value.dtype} tensor" if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ValueError(f"{where}: step {step}: {name} is a {kind}; the dumper writes an integer tensor")
+    flat = value.reshape(-1).tolist()
+    if flat and min(flat) < 0:
+        raise ValueError(f"{where}: step {step}: {name} holds {min(flat)}; expected values >= 0")
+    return flat
+
+
 def _rows_of_step(fields: dict, step: int, where: str) -> tuple[list, list]:
     """-> ((sequence id, position) of each token row, packed start of each row's sequence in the step)."""
-    ids = fields.get("input_ids")
-    if ids is None:
+    if fields.get("input_ids") is None:
         raise ValueError(f"{where}: step {step} has no input_ids dump (the dumper's batch fields: run with "
                          f"non_intrusive_mode=core, its default)")
-    if not isinstance(ids, torch.Tensor):
-        raise ValueError(f"{where}: step {step}: input_ids is a {type(ids).__name__}, not a tensor")
-    n = ids.numel()
+    ids = fields["input_ids"]
+    n = len(_integers(fields, "input_ids", step, where))
     if "seq_lens" in fields:  # engine: requests in batch order, each a run of consecutive positions
-        positions = fields.get("positions")
-        if positions is None:
+        if fields.get("positions") is None:
             raise ValueError(f"{where}: step {step} has seq_lens but no positions")
-        positions, seq_lens = positions.reshape(-1).tolist(), fields["seq_lens"].reshape(-1).tolist()
+        positions, seq_lens = _integers(fields, "positions", step, where), _integers(fields, "seq_lens", step, where)
+        if len(positions) != n:
+            raise ValueError(f"{where}: step {step}: {len(positions)} positions for {n} input_ids")
         names = fields.get("rids")
         if not _has_rids(fields):
-            pool = fields.get("req_pool_indices")
-            if pool is None:
+            if fields.get("req_pool_indices") is None:
                 raise ValueError(f"{where}: step {step}: no rids and no req_pool_indices to tell requests apart")
-            names = [f"{SLOT}{int(x)}" for x in pool.reshape(-1).tolist()]
+            names = [f"{SLOT}{x}" for x in _integers(fields, "req_pool_indices", step, where)]
         rows, starts, r = [], [], 0
         for name, total in zip(names, seq_lens):
             if r >= n:
@@ -363,9 +402,8 @@ def _rows_of_step(fields: dict, step: int, where: str) -> tuple[list, list]:
     if ids.dim() == 2 and "cu_seqlens_q" not in fields:  # trainer, BSHD: one sequence per batch row
         b, s = ids.shape
         return [(f"step{step}-seq{j}", p) for j in range(b) for p in range(s)], [j * s for j in range(b) for _ in range(s)]
-    cu = fields.get("cu_seqlens_q")
-    bounds = cu.reshape(-1).tolist() if cu is not None else [0, n]
-    if bounds[0] != 0 or bounds[-1] > n or any(b > c for b, c in zip(bounds, bounds[1:])):
+    bounds = _integers(fields, "cu_seqlens_q", step, where) if fields.get("cu_seqlens_q") is not None else [0, n]
+    if len(bounds) < 2 or bounds[0] != 0 or bounds[-1] > n or any(b > c for b, c in zip(bounds, bounds[1:])):
         raise ValueError(f"{where}: step {step}: cu_seqlens_q {bounds} does not fit its {n} tokens")
     # miles pads the packed micro-batch with pad tokens and appends the padding to cu_seqlens as one more
     # segment (miles/backends/training_utils/data.py, get_batch): a last segment of one repeated token
@@ -555,7 +593,7 @@ def read_framework_dump(path) -> FrameworkDump:
     for seq in order:
         length = max(tokens[seq]) + 1
         if len(tokens[seq]) != length:
-            missing = min(set(range(length)) - set(tokens[seq]))
+            missing = next(p for p in range(length) if p not in tokens[seq])  # never the whole range
             raise ValueError(f"{where}: request {seq} has no token at position {missing} (a cached prefix is not "
                              f"dumped: turn the prefix cache off for a parity dump)")
         sequences.append([tokens[seq][p] for p in range(length)])
@@ -589,6 +627,9 @@ def read_framework_dump(path) -> FrameworkDump:
             raise ValueError(f"{where}: {label} dumped {max(len(v) for v in by_rank.values())} times by one rank "
                              f"in one step; dump each site once per layer and step")
         value = _unshard(recs, f"{where}: {label}")
+        if not isinstance(value, torch.Tensor) or value.dim() == 0:
+            raise ValueError(f"{where}: {label} holds a {type(value).__name__ if not isinstance(value, torch.Tensor) else 'scalar'}"
+                             f", not a tensor with a token dim ({recs[0].file.name})")
         if not recs[0].meta.get("dims") and side == "trainer" and value.dim() >= 3 and value.shape[1] == 1:
             value = value.squeeze(1)  # Megatron's sequence-first [s, 1, h] without dims: rows are tokens
         rows, row_starts = rows_of.get(step, (None, None))

@@ -75,6 +75,13 @@ def _int_list(value, where: str) -> list[int]:
     return list(value)
 
 
+def _floats(value: list, where: str) -> list[float]:
+    try:
+        return [float(v) for v in value]
+    except OverflowError:  # an int past a float's range
+        raise ValueError(f"{where}: holds a number too large for a float") from None
+
+
 def _float_list(value, n: int, where: str) -> list[float]:
     if isinstance(value, torch.Tensor) or hasattr(value, "tolist"):
         value = value.tolist()
@@ -82,7 +89,19 @@ def _float_list(value, n: int, where: str) -> list[float]:
         raise ValueError(f"{where}: expected a list of {n} numbers")
     if len(value) != n:
         raise ValueError(f"{where}: {len(value)} values for {n} response tokens")
-    return [float(v) for v in value]
+    return _floats(value, where)
+
+
+def _plain(value, where: str):
+    """A label the report writes as it is (an id, an index, a reward): None, a bool, a number or a
+    string; a numpy or 0-d tensor scalar becomes its number; anything else is refused by name."""
+    import numpy as np
+
+    if (isinstance(value, torch.Tensor) and value.dim() == 0) or isinstance(value, np.generic):
+        value = value.item()
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise ValueError(f"{where}: a {type(value).__name__}; expected a number or a string")
 
 
 @dataclass
@@ -141,11 +160,17 @@ def load_rollout_data(path, vocab_size: int | None = None) -> RolloutData:
         engine = _float_list(s["rollout_log_probs"], length, f"{where}.rollout_log_probs")
         mask = [1] * length if s.get("loss_mask") is None else \
             [int(bool(v)) for v in _float_list(s["loss_mask"], length, f"{where}.loss_mask")]
-        samples.append(RolloutSample(k, s.get("index"), s.get("group_index"), str(s.get("status", "")),
-                                     s.get("reward"), tokens, length, engine, mask))
+        reward = s.get("reward")
+        samples.append(RolloutSample(k, _plain(s.get("index"), f"{where}.index"),
+                                     _plain(s.get("group_index"), f"{where}.group_index"), str(s.get("status", "")),
+                                     reward if isinstance(reward, (int, float)) and not isinstance(reward, bool) else None,
+                                     tokens, length, engine, mask))
     if not samples:
         raise ValueError(f"{path}: the file holds no samples")
-    return RolloutData(str(path), raw.get("rollout_id"), raw.get("metadata") or {}, samples)
+    metadata = raw.get("metadata")
+    if metadata is not None and not isinstance(metadata, dict):
+        raise ValueError(f"{path}: metadata is a {type(metadata).__name__}; the framework writes a dict")
+    return RolloutData(str(path), _plain(raw.get("rollout_id"), f"{path}: rollout_id"), metadata or {}, samples)
 
 
 def load_trainer_logprobs(path) -> dict[tuple, list[float]]:
@@ -156,7 +181,10 @@ def load_trainer_logprobs(path) -> dict[tuple, list[float]]:
     data = raw.get("rollout_data") if isinstance(raw, dict) else None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: not the framework's train data: expected a dict with 'rollout_data'")
-    cp_size = raw.get("cp_size") or 1
+    cp_size = raw.get("cp_size")
+    cp_size = 1 if cp_size is None else cp_size
+    if hasattr(cp_size, "__index__") and not isinstance(cp_size, (bool, torch.Tensor)):
+        cp_size = int(cp_size)  # a numpy integer, as response_length is read
     if not isinstance(cp_size, int) or isinstance(cp_size, bool) or cp_size < 1:
         raise ValueError(f"{path}: cp_size {cp_size!r:.40}; expected a positive integer")
     if cp_size > 1:
@@ -175,7 +203,7 @@ def load_trainer_logprobs(path) -> dict[tuple, list[float]]:
         values = logp.tolist() if hasattr(logp, "tolist") else logp
         if not isinstance(values, (list, tuple)) or not all(isinstance(v, (int, float)) for v in values):
             raise ValueError(f"{where}: expected a flat list (or 1-D tensor) of numbers")
-        out[tokens] = [float(v) for v in values]
+        out[tokens] = _floats(values, where)
     return out
 
 

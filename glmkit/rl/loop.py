@@ -25,7 +25,7 @@ from glmkit.inputs import not_a_file, read_marker
 from glmkit.model.rollout import GREEDY_BELOW
 from glmkit.outputs import (MARKER, RunLock, check_dir_out, check_file_out, is_glmkit_file, is_glmkit_output, mark_file,
                             refuse_input_as_output, refuse_package_paths, refuse_replacing,
-                            staging_dir, usual_modes)
+                            foreign_entries, record_entries, staging_dir, usual_modes)
 from glmkit.rl import grpo
 from glmkit.rl.lora import DEFAULT_EXCLUDE
 
@@ -162,6 +162,7 @@ def _save_checkpoint(cfg, step: int, policy, optimizer, lora_names) -> Path:
         (staging / "state.json").write_text(json.dumps({"step": step, "param_groups": state["param_groups"],
                                                         "lora": lora_names, "config": asdict(cfg)}, default=str))
         usual_modes(staging)  # safetensors creates its files 0600; a checkpoint gets the umask's modes
+        record_entries(staging)  # what --overwrite may later remove: these names, nothing added since
         if final.is_symlink():
             final.unlink()  # the link only: what it points to is not glmkit's to replace
         elif final.exists():
@@ -284,7 +285,17 @@ def _claim_outputs(cfg) -> list[str]:
     # --overwrite removes only what glmkit wrote (marked, a regular file, not through a link, not an input)
     if metrics.exists() or metrics.is_symlink():
         refuse_replacing(metrics, "--metrics-out", "metrics file", _inputs(cfg))
+    links = [p.name for p in checkpoints if p.is_symlink()]
+    if links:
+        raise ValueError(f"--save {save}: {', '.join(links[:3])}{', ...' if len(links) > 3 else ''} is a symbolic link; "
+                         f"--overwrite never removes through a link (glmkit writes iter_* as directories): remove it "
+                         f"yourself or choose another --save")
     foreign = [p.name for p in checkpoints if p.name.startswith("iter_") and not _is_own_checkpoint(p)]
+    added = [f"{p.name}/{name}" for p in checkpoints if p.name.startswith("iter_") and is_glmkit_output(p)
+             for name in foreign_entries(p)]
+    if added:
+        raise ValueError(f"--save {save}: {', '.join(added[:3])}{', ...' if len(added) > 3 else ''} added after glmkit "
+                         f"wrote the checkpoint; --overwrite removes only what glmkit wrote: move them away first")
     if foreign:
         raise ValueError(f"--save {save}: {', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''} not written "
                          f"by glmkit (no {MARKER} or state.json); --overwrite replaces only glmkit's checkpoints: "
@@ -396,7 +407,7 @@ class GRPOTrainer:
         metrics and checkpoints."""
         from glmkit.checkpoint import open_checkpoint
         from glmkit.rl.data import load_prompts
-        from glmkit.rl.tokenizer import load_tokenizer
+        from glmkit.tokenizer import load_tokenizer
 
         self.cfg = cfg = cfg.resolved()
         if (dp is not None or cfg.data_parallel) and getattr(rollout, "mode", None) == "distributed":

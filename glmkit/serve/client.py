@@ -170,7 +170,7 @@ class SGLangClient:
         group = getattr(self, "update_group", None)
         if group is None:
             raise ValueError("call init_weights_update_group first")
-        from glmkit.rl.parallel import announce, send_announced
+        from glmkit.collectives import announce, send_announced
 
         device = torch.device("cuda", torch.cuda.current_device()) if self.group_backend == "nccl" else "cpu"
         ordered, announced = announce(tensors, device)

@@ -877,7 +877,8 @@ def build_app(service: EngineService, window_s: float = 0.005, max_body: int = D
         yield
         batcher.stop()
 
-    app = FastAPI(title="glmkit serve (SGLang native API)", lifespan=lifespan)
+    # no /docs or /redoc: FastAPI's pages load their scripts from a CDN (the schema stays at /openapi.json)
+    app = FastAPI(title="glmkit serve (SGLang native API)", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.batcher = batcher
 
     @app.exception_handler(RequestError)
@@ -890,12 +891,17 @@ def build_app(service: EngineService, window_s: float = 0.005, max_body: int = D
         if declared is not None and declared.isdigit() and int(declared) > max_body:
             raise RequestError(f"request body of {int(declared)} bytes exceeds this server's limit of {max_body} bytes "
                                f"(--max-body-bytes)", status=413)
+        from starlette.requests import ClientDisconnect
+
         data = bytearray()
-        async for piece in request.stream():
-            data += piece
-            if len(data) > max_body:
-                raise RequestError(f"request body exceeds this server's limit of {max_body} bytes (--max-body-bytes)",
-                                   status=413)
+        try:
+            async for piece in request.stream():
+                data += piece
+                if len(data) > max_body:
+                    raise RequestError(f"request body exceeds this server's limit of {max_body} bytes "
+                                       f"(--max-body-bytes)", status=413)
+        except ClientDisconnect:  # the client left mid-body: nothing to answer, nothing to log as a fault
+            raise RequestError("the client disconnected before sending the whole body", status=400) from None
         if not data.strip():
             return {}
         try:
@@ -1114,11 +1120,20 @@ def build_app(service: EngineService, window_s: float = 0.005, max_body: int = D
     async def update_weight_version(request: HttpRequest):
         body = protocol.parse_body(await body_of(request), {"new_version": (str, ...),
                                                             "abort_all_requests": (bool, True)}, "update_weight_version")
+        version = checked_version(body["new_version"], "new_version")
         if body["abort_all_requests"]:
             batcher.abort(None, True)
-        service.weight_version = body["new_version"]
+        service.weight_version = version
         return {"success": True, "message": f"Weight version updated to {body['new_version']}",
                 "new_version": body["new_version"]}
+
+    def checked_version(version, field: str = "weight_version"):
+        """A weight version is echoed in every answer's meta_info: a label (the framework sends a step
+        number), never a payload."""
+        if version is not None and (len(version) > MAX_WEIGHT_VERSION or not version.isprintable()):
+            raise RequestError(f"{field}: at most {MAX_WEIGHT_VERSION} printable characters, got {len(version)} "
+                               f"characters{'' if version.isprintable() else ' with control characters'}")
+        return version
 
     def updated(message: str, version) -> str:
         return f"{message}." + (f" Weight version updated to {version}." if version is not None else "")
@@ -1138,7 +1153,7 @@ def build_app(service: EngineService, window_s: float = 0.005, max_body: int = D
 
         async def work():
             tensors = service.tensors_from_blobs(body["serialized_named_tensors"])
-            await batcher.call(service.load_tensors, tensors, body["weight_version"])
+            await batcher.call(service.load_tensors, tensors, checked_version(body["weight_version"]))
             return updated("Succeeded to update model weights", body["weight_version"])
         return await weight_step(work)
 
@@ -1187,7 +1202,7 @@ def build_app(service: EngineService, window_s: float = 0.005, max_body: int = D
 
         async def work():
             tensors = await asyncio.to_thread(service.receive, body)  # the transfers: off the engine's thread
-            await batcher.call(service.load_tensors, tensors, body["weight_version"])
+            await batcher.call(service.load_tensors, tensors, checked_version(body["weight_version"]))
             return updated("Succeeded to update parameter online", body["weight_version"])
         return await weight_step(work)
 
@@ -1206,7 +1221,7 @@ def build_app(service: EngineService, window_s: float = 0.005, max_body: int = D
 
         async def work():
             tensors = await asyncio.to_thread(service.tensors_from_disk, body["model_path"])
-            await batcher.call(service.load_tensors, tensors, body["weight_version"])
+            await batcher.call(service.load_tensors, tensors, checked_version(body["weight_version"]))
             service.model_path = body["model_path"]
             return updated("Succeeded to update model weights", body["weight_version"])
         return await weight_step(work, num_paused_requests=0)
@@ -1256,6 +1271,30 @@ def checkpoint_eos_ids(checkpoint, model, tokenizer) -> list[int]:
     return sorted(ids)
 
 
+MAX_WEIGHT_VERSION = 256
+EVERY_INTERFACE = ("0.0.0.0", "::")  # the spellings that say "every interface" on purpose
+
+
+def _check_host(host: str) -> None:
+    """Listening on every interface is asked for in words (0.0.0.0 or ::), never by a shorthand that
+    means the same to the resolver: '', '0', '0x0', '0.0'."""
+    import ipaddress
+
+    if not host.strip():
+        raise ValueError("--host '': empty (it would listen on every interface); give an address such as 127.0.0.1, "
+                         "or 0.0.0.0 to mean every interface")
+    if host in EVERY_INTERFACE:
+        return
+    try:
+        found = {info[4][0] for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)}
+    except (socket.gaierror, UnicodeError) as err:
+        raise ValueError(f"--host {host!r}: {getattr(err, 'strerror', None) or err}; give an address of this "
+                         f"machine such as 127.0.0.1") from None
+    if any(ipaddress.ip_address(a.split("%")[0]).is_unspecified for a in found):
+        raise ValueError(f"--host {host!r} means every interface ({', '.join(sorted(found))}); give 127.0.0.1, or "
+                         f"write 0.0.0.0 (or ::) if every interface is meant")
+
+
 def serve(checkpoint, host: str = "127.0.0.1", port: int = 30000, device: str = "cpu", dtype: str | None = None,
           backends=None, tokenizer: str | None = None, max_batch: int = DEFAULT_MAX_BATCH, update_roots=(),
           window_s: float = 0.005, on_ready=print, max_context: int = DEFAULT_MAX_CONTEXT,
@@ -1267,14 +1306,12 @@ def serve(checkpoint, host: str = "127.0.0.1", port: int = 30000, device: str = 
     import uvicorn
 
     from glmkit.model import load_model
-    from glmkit.rl.tokenizer import has_tokenizer_files, load_tokenizer
+    from glmkit.tokenizer import has_tokenizer_files, load_tokenizer
 
+    _check_host(host)
     model = load_model(checkpoint, getattr(torch, dtype) if dtype else None, device).eval()
     tok_dir = tokenizer or (str(checkpoint) if has_tokenizer_files(checkpoint) else None)
     tok = load_tokenizer(tok_dir) if tok_dir else None
-    if not host.strip():  # an empty host binds every interface: never by accident
-        raise ValueError("--host '': empty (it would listen on every interface); give an address such as 127.0.0.1, "
-                         "or 0.0.0.0 to mean every interface")
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:

@@ -29,7 +29,7 @@ def new_named_group(backend: str, master_address: str, master_port: int, world_s
     `world_size` members have arrived or `timeout_s` passes (then raises)."""
     from torch.distributed import distributed_c10d as c10d
 
-    from glmkit.rl.parallel import NO_MULTICAST
+    from glmkit.collectives import NO_MULTICAST
 
     if backend not in BACKENDS:
         raise ValueError(f"process group backend {backend!r}; allowed: {', '.join(BACKENDS)}")

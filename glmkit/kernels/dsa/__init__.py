@@ -30,9 +30,7 @@ from __future__ import annotations
 
 import importlib
 
-from glmkit.kernels.backends import DSA_BACKENDS
-
-BACKENDS = DSA_BACKENDS
+BACKENDS = ("auto", "naive", "absorbed", "triton", "tilelang")
 MODULES = {"triton": "sparse_triton", "tilelang": "sparse_tilelang"}  # modules named triton.py / tilelang.py would read as the packages
 
 
