@@ -321,6 +321,8 @@ def _copy(good_state, tmp_path, name):
     ("missing-data", "data files the index names are missing: __0_0.distcp"),
     ("truncated-data", "cannot read"),
     ("escape", "outside the checkpoint folder"),
+    ("huge-shape", "but its chunks store"),       # was allocated as declared (hostile pass 4: 10 GB, exit 3)
+    ("nul-name", "a data file with a NUL character"),
 ])
 def test_unreadable_checkpoints_are_exit_2_with_the_reason(damage, message, hf, good_state, tmp_path, capsys):
     folder, release = _copy(good_state, tmp_path, "td")
@@ -335,10 +337,15 @@ def test_unreadable_checkpoints_are_exit_2_with_the_reason(damage, message, hf, 
     elif damage == "truncated-data":
         data = release / "__0_0.distcp"
         data.write_bytes(data.read_bytes()[:2000])
-    elif damage == "escape":
+    elif damage in ("escape", "nul-name"):
         index = TorchDistCheckpoint(folder).metadata
         for info in index.storage_data.values():
-            info.relative_path = "../../../etc/passwd"
+            info.relative_path = "../../../etc/passwd" if damage == "escape" else "__0\0_0.distcp"
+        (release / ".metadata").write_bytes(pickle.dumps(index))
+    elif damage == "huge-shape":
+        index = TorchDistCheckpoint(folder).metadata
+        meta = index.state_dict_metadata["embedding.word_embeddings.weight"]
+        meta.size = torch.Size([1 << 40, meta.size[1]])
         (release / ".metadata").write_bytes(pickle.dumps(index))
     assert main(["ckpt", "verify-conversion", "--hf", str(hf), "--torch-dist", str(folder)]) == 2
     err = capsys.readouterr().err
@@ -446,3 +453,14 @@ def test_integers_nan_gaps_and_duplicates_are_reported_not_passed(hf, good_state
     row = _only(verify_conversion(hf, _broken(good_state, tmp_path / "d", twice), progress=False), "extra")
     assert row["duplicate_of"] in (norm, "module." + norm)
     capsys.readouterr()
+
+
+def test_likely_cause_reads_fp8_tensors():
+    """Hostile pass 4: a torch_dist tensor stored as float8 ended verify-conversion in exit 3 (fp8 has no
+    isfinite); its causes are read in fp32."""
+    from glmkit.checkpoint.conversion import likely_cause
+
+    expected = torch.arange(8, dtype=torch.float32).reshape(2, 4)
+    assert likely_cause(torch.zeros(2, 4, dtype=torch.float8_e4m3fn), expected, [], 0.0) == "all zeros (never written?)"
+    nan = torch.full((2, 4), float("nan")).to(torch.float8_e4m3fn)
+    assert likely_cause(nan, expected, [], 0.0) == "non-finite values (NaN or inf) where the HF tensor has none"

@@ -158,8 +158,9 @@ def test_startup_probe_and_the_external_engine_check(server):
 
 def test_a_rollout_with_logprobs_and_r3_reads_as_the_framework_reads_it(server, local_engine):
     """Greedy, so the answer can be checked against the in-process engine stopping on EOS: the tokens
-    the framework appends, its log-probs (1e-5: fp32 summation order over other batch shapes) and the
-    routing it replays (exact; dense layers' rows 0)."""
+    the framework appends, its log-probs (5e-5: fp32 summation order over other batch shapes and thread
+    counts; about 1e-6 typically, 1.06e-5 seen once on a loaded 2-core CI machine) and the routing it
+    replays (exact; dense layers' rows 0)."""
     fw = FrameworkClient(server.url)
     prompts = [[1, 30 + i, 41, 42, 43 + i] for i in range(4)]
     samples = [None] * len(prompts)
@@ -174,7 +175,7 @@ def test_a_rollout_with_logprobs_and_r3_reads_as_the_framework_reads_it(server, 
     for prompt, sample, local in zip(prompts, samples, want):
         assert sample["tokens"] == prompt + local.tokens
         assert sample["status"] == ("completed" if local.tokens[-1] == EOS else "truncated")
-        assert np.abs(np.array(sample["logprobs"]) - np.array(local.logprobs)).max() < 1e-5
+        assert np.abs(np.array(sample["logprobs"]) - np.array(local.logprobs)).max() < 5e-5
         routed = sample["routed_experts"]
         assert routed.shape == (len(sample["tokens"]) - 1, NUM_LAYERS, 2) and not routed[:, :3].any()
         assert torch.equal(torch.from_numpy(routed[:, 3].astype("int64")), local.routing[3])

@@ -159,6 +159,9 @@ class TorchDistCheckpoint:
         if not isinstance(storage, dict):
             raise CheckpointError(f"{self.path}/.metadata: storage_data is a {type(storage).__name__}, not a mapping")
         files = sorted({str(getattr(info, "relative_path", "")) for info in storage.values()} - {""})
+        odd = [name for name in files if "\0" in name]
+        if odd:  # no file system names one so
+            raise CheckpointError(f"{self.path}/.metadata: names a data file with a NUL character ({odd[0]!r}); refused")
         root = self.path.resolve()
         outside = [name for name in files if not (self.path / name).resolve().is_relative_to(root)]
         if outside:
