@@ -341,6 +341,11 @@ def test_a_whole_dumper_dir_asks_for_one_side(tmp_path):
     assert dump_leaves(REAL / "engines") == [REAL / "engines" / "engine_0"]
 
 
+def test_a_replicated_mark_without_an_axis_is_refused():
+    with pytest.raises(ValueError, match="':replicated' names no axis"):
+        parse_dims("t h # :replicated")
+
+
 def test_dims_grammar():
     dims, replicated, dp = parse_dims("t[cp:zigzag,sp] 1 (num_heads*head_dim)[tp] # ep:replicated dp:=attn_dp")
     assert [d.name for d in dims] == ["t", "1", "(num_heads*head_dim)"]

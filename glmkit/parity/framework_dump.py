@@ -150,6 +150,8 @@ def parse_dims(text: str) -> tuple[list[Dim], set, str | None]:
         if word.startswith("dp:="):
             dp_alias = word[4:]
         elif word.endswith(":replicated"):
+            if not word[:-len(":replicated")]:
+                raise ValueError(f"dims {text!r}: ':replicated' names no axis")
             replicated.add(word[:-len(":replicated")])
     return dims, replicated, dp_alias
 
@@ -256,7 +258,7 @@ def _unshard(records: list, where: str) -> torch.Tensor:
         for p, v in pieces:
             twin = next((w for q, w in first if all(q.get(a) == p.get(a) for a in named - {axis})), None)
             if twin is None or v.shape != twin.shape or not torch.allclose(v.float(), twin.float(), atol=1e-6,
-                                                                           rtol=1e-5):
+                                                                           rtol=1e-5, equal_nan=True):
                 raise ValueError(f"{where}: declared {axis}:replicated but {axis} rank {p.get(axis, (0,))[0]} "
                                  f"differs from rank 0")
         pieces = first
