@@ -95,6 +95,17 @@ def foreign_entries(folder: Path) -> list[str]:
     return sorted(p.name for p in Path(folder).iterdir() if p.name != MARKER and p.name not in recorded)
 
 
+def added_entries(folder: Path, prefix: str = "") -> list[str]:
+    """What was put into a marked directory after glmkit wrote it, at any depth: its own unrecorded
+    entries, and those of the marked directories it holds (a checkpoint's model/ keeps its own list)."""
+    folder = Path(folder)
+    found = [prefix + name for name in foreign_entries(folder)]
+    for entry in sorted(folder.iterdir()):
+        if entry.is_dir() and not entry.is_symlink() and is_glmkit_output(entry) and entry.name not in found:
+            found += added_entries(entry, f"{prefix}{entry.name}/")
+    return found
+
+
 def refuse_package_paths(path, flag: str) -> None:
     """glmkit's own installed files (its shipped checkpoint and data) are never an output."""
     package = Path(__file__).resolve().parent

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-TINY_TOKENIZER = Path(__file__).resolve().parents[1] / "assets" / "tiny_tokenizer"
+TINY_TOKENIZER = Path(__file__).resolve().parent / "assets" / "tiny_tokenizer"
 # A directory holds a usable tokenizer if it has one of these (fast file, or a slow tokenizer's vocab).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model")
 

@@ -170,7 +170,7 @@ def lr_inf(folder, tiny, sharded):
 
 def test_lr_inf_is_refused_before_training(runs):
     folder, (out,) = runs("lr_inf")
-    assert error(out) == "glmkit train: error: --lr must be a finite number, got inf"
+    assert error(out) == "glmkit train: error: argument --lr: must be a finite number, got 'inf' (usage: glmkit train --help)"
     assert os.listdir(folder) == []
 
 
@@ -806,6 +806,20 @@ def test_overwrite_of_a_training_run_removes_nothing_it_did_not_write(tmp_path):
     with pytest.raises(ValueError, match=r"iter_0000001/notes.txt added after glmkit wrote the checkpoint"):
         _claim_outputs(cfg)
     (save / "iter_0000001" / "notes.txt").unlink()
+    (save / "iter_0000001" / "model" / "mine.txt").write_text("mine")  # pass 5: deeper down, in model/
+    with pytest.raises(ValueError, match=r"iter_0000001/model/mine.txt added after glmkit wrote"):
+        _claim_outputs(cfg)
+    (save / "iter_0000001" / "model" / "mine.txt").unlink()
+    (save / "iter_0000002").mkdir()  # pass 5: unmarked, with the files an old glmkit checkpoint holds
+    for name in ("state.json", "optimizer.safetensors", "theirs.txt"):
+        (save / "iter_0000002" / name).write_text("{}")
+    with pytest.raises(ValueError, match=r"iter_0000002 not marked as glmkit's"):
+        _claim_outputs(cfg)
+    shutil.rmtree(save / "iter_0000002")
+    (tmp_path / "via").symlink_to(save)  # pass 5: --save itself a link
+    with pytest.raises(ValueError, match=r"reached through a symbolic link; --overwrite never removes through a link"):
+        _claim_outputs(TrainConfig(checkpoint=str(ckpt), prompt_data="p", save=str(tmp_path / "via"),
+                                   metrics_out=str(metrics), overwrite=True))
     (tmp_path / "elsewhere").mkdir()
     (save / "iter_0000005").symlink_to(tmp_path / "elsewhere")
     with pytest.raises(ValueError, match=r"iter_0000005 is a symbolic link; --overwrite never removes through a link"):
@@ -890,6 +904,17 @@ def test_serve_host_shorthands_for_every_interface_are_refused(host):
         _check_host(host)
     for meant in ("127.0.0.1", "0.0.0.0", "::"):
         _check_host(meant)
+    with pytest.raises(ValueError, match=r"means every interface \(::ffff:0.0.0.0\)"):
+        _check_host("::ffff:0.0.0.0")  # pass 5: IPv4-mapped, every IPv4 interface
+
+
+def test_serve_on_a_port_in_use_is_the_users_to_change(tiny_ckpt):
+    """Hostile pass 5: exit 3 ('please report it') for a port in use or an address not of this machine."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        out = glmkit("serve", "--checkpoint", tiny_ckpt, "--port", taken.getsockname()[1])
+    assert out.returncode == 2 and "already in use on 127.0.0.1; choose another port" in error(out), out.stderr
 
 
 def test_safetensors_header_length_is_bounded_before_it_is_read(tmp_path):

@@ -467,6 +467,8 @@ def _first(pattern):
     (r"step=1___.*name=positions___", lambda d: d.update(value=d["value"] - 100), "positions holds -"),
     (r"name=positions___", lambda d: d.update(value=d["value"].float() + 0.5), "positions is a torch.float32 tensor"),
     (r"step=0___rank=0___.*attn_output", lambda d: d.update(value=d["value"].to_sparse()), "sparse_coo tensor"),
+    (r"step=0___rank=0___.*attn_output", lambda d: d.update(value=torch.empty(2, 3, device="meta")),
+     r"meta \(data-less\) tensor"),
     (r"step=0___rank=1___.*attn_output", lambda d: d.update(value=d["value"][:, :3]), "pieces of shapes"),
     (r"step=0___rank=1___.*attn_output", lambda d: d["meta"]["sglang_parallel_info"].update(tp_size=7),
      "the ranks' parallel info gives tp sizes"),

@@ -273,6 +273,8 @@ def test_the_reference_head_in_chunks_equals_one_pass(rollout_file, monkeypatch)
     (lambda d: d["samples"][0].update(index=torch.tensor([1, 2])), r"samples\[0\].index: a Tensor"),
     (lambda d: d.update(metadata=torch.ones(3)), "metadata is a Tensor; the framework writes a dict"),
     (lambda d: d["samples"][0].update(rollout_log_probs=[10 ** 400, 0.0]), "a number too large for a float"),
+    (lambda d: d["samples"][0].update(tokens=torch.empty(4, dtype=torch.long, device="meta")),
+     r"tokens: a meta \(data-less\) tensor"),
 ])
 def test_values_the_report_writes_are_plain_or_refused_before_any_model_runs(tmp_path, edit, message):
     """Hostile pass 4: these ended in exit 3 (a TypeError writing the JSON, after every sample was

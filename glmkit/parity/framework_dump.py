@@ -202,8 +202,9 @@ def _load(file: Path) -> _Record:
     if (meta or {}).get("dims") is not None and not isinstance(meta["dims"], str):
         raise ValueError(f"{file}: dims is a {type(meta['dims']).__name__}; the dumper writes a string such as 't h[tp]'")
     value = data["value"]
-    if isinstance(value, torch.Tensor) and value.layout != torch.strided:
-        raise ValueError(f"{file}: a {value.layout} tensor; glmkit reads dense tensors")
+    if isinstance(value, torch.Tensor) and (value.layout != torch.strided or value.is_meta):
+        raise ValueError(f"{file}: a {'meta (data-less)' if value.is_meta else value.layout} tensor; glmkit reads "
+                         f"dense tensors with their data")
     meta = {**(meta or {}), **tags}
     cp = _parallel(meta).get("cp", (0, 1))[1]
     if cp > 1:

@@ -25,7 +25,7 @@ from glmkit.inputs import not_a_file, read_marker
 from glmkit.model.rollout import GREEDY_BELOW
 from glmkit.outputs import (MARKER, RunLock, check_dir_out, check_file_out, is_glmkit_file, is_glmkit_output, mark_file,
                             refuse_input_as_output, refuse_package_paths, refuse_replacing,
-                            foreign_entries, record_entries, staging_dir, usual_modes)
+                            added_entries, record_entries, staging_dir, through_link, usual_modes)
 from glmkit.rl import grpo
 from glmkit.rl.lora import DEFAULT_EXCLUDE
 
@@ -244,13 +244,6 @@ def _check_resumed_settings(cfg, folder: Path) -> None:
                          f"{','.join(n.replace('_', '-') for n in differing)}")
 
 
-def _is_own_checkpoint(path: Path) -> bool:
-    """An iter_* entry glmkit wrote: marked, or (written before the marker) holding its state.json and
-    optimizer.safetensors, which a Megatron iter_* directory does not."""
-    return path.is_dir() and (is_glmkit_output(path) or ((path / "state.json").is_file()
-                                                         and (path / "optimizer.safetensors").is_file()))
-
-
 def _inputs(cfg) -> dict:
     return {"--prompt-data": cfg.prompt_data, "--checkpoint": cfg.checkpoint, "--tokenizer": cfg.tokenizer}
 
@@ -285,21 +278,26 @@ def _claim_outputs(cfg) -> list[str]:
     # --overwrite removes only what glmkit wrote (marked, a regular file, not through a link, not an input)
     if metrics.exists() or metrics.is_symlink():
         refuse_replacing(metrics, "--metrics-out", "metrics file", _inputs(cfg))
+    if checkpoints and through_link(save):
+        raise ValueError(f"--save {save}: reached through a symbolic link; --overwrite never removes through a link: "
+                         f"name the directory itself")
     links = [p.name for p in checkpoints if p.is_symlink()]
     if links:
         raise ValueError(f"--save {save}: {', '.join(links[:3])}{', ...' if len(links) > 3 else ''} is a symbolic link; "
                          f"--overwrite never removes through a link (glmkit writes iter_* as directories): remove it "
                          f"yourself or choose another --save")
-    foreign = [p.name for p in checkpoints if p.name.startswith("iter_") and not _is_own_checkpoint(p)]
+    # only a marked iter_* is removed: an unmarked one holding state.json and optimizer.safetensors may be
+    # an older glmkit's, but may as well be anyone's (resume still reads it)
+    foreign = [p.name for p in checkpoints if p.name.startswith("iter_") and not is_glmkit_output(p)]
     added = [f"{p.name}/{name}" for p in checkpoints if p.name.startswith("iter_") and is_glmkit_output(p)
-             for name in foreign_entries(p)]
+             for name in added_entries(p)]
     if added:
         raise ValueError(f"--save {save}: {', '.join(added[:3])}{', ...' if len(added) > 3 else ''} added after glmkit "
                          f"wrote the checkpoint; --overwrite removes only what glmkit wrote: move them away first")
     if foreign:
-        raise ValueError(f"--save {save}: {', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''} not written "
-                         f"by glmkit (no {MARKER} or state.json); --overwrite replaces only glmkit's checkpoints: "
-                         f"remove them yourself or choose another --save")
+        raise ValueError(f"--save {save}: {', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''} not marked as "
+                         f"glmkit's (no {MARKER}; checkpoints of glmkit versions before the marker have none); "
+                         f"--overwrite replaces only glmkit's checkpoints: remove them yourself or choose another --save")
     notes = []
     if metrics.exists():
         metrics.unlink()

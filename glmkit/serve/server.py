@@ -22,6 +22,7 @@ import base64
 import itertools
 import json
 import re
+import errno
 import socket
 import threading
 import time
@@ -1290,7 +1291,11 @@ def _check_host(host: str) -> None:
     except (socket.gaierror, UnicodeError) as err:
         raise ValueError(f"--host {host!r}: {getattr(err, 'strerror', None) or err}; give an address of this "
                          f"machine such as 127.0.0.1") from None
-    if any(ipaddress.ip_address(a.split("%")[0]).is_unspecified for a in found):
+    def unspecified(address: str) -> bool:
+        ip = ipaddress.ip_address(address.split("%")[0])
+        return ip.is_unspecified or bool(getattr(ip, "ipv4_mapped", None) and ip.ipv4_mapped.is_unspecified)
+
+    if any(unspecified(a) for a in found):
         raise ValueError(f"--host {host!r} means every interface ({', '.join(sorted(found))}); give 127.0.0.1, or "
                          f"write 0.0.0.0 (or ::) if every interface is meant")
 
@@ -1320,6 +1325,12 @@ def serve(checkpoint, host: str = "127.0.0.1", port: int = 30000, device: str = 
         sock.close()
         raise ValueError(f"--host {host!r}: {getattr(err, 'strerror', None) or err}; give an address of this "
                          f"machine such as 127.0.0.1") from None
+    except OSError as err:  # in use, not this machine's, a link-local address without its interface
+        sock.close()
+        if err.errno == errno.EADDRINUSE:
+            raise ValueError(f"--port {port}: already in use on {host}; choose another port (0 picks a free one)") from None
+        raise ValueError(f"--host {host!r} --port {port}: cannot listen there ({err.strerror or err}); give an "
+                         f"address of this machine such as 127.0.0.1") from None
     sock.listen(2048)  # connections made from now on wait in the backlog until uvicorn accepts them
     bound = sock.getsockname()[1]
     # SGLang's server arguments as its /server_info echoes them (the framework compares some of them)
