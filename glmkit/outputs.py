@@ -99,9 +99,10 @@ def added_entries(folder: Path, prefix: str = "") -> list[str]:
     """What was put into a marked directory after glmkit wrote it, at any depth: its own unrecorded
     entries, and those of the marked directories it holds (a checkpoint's model/ keeps its own list)."""
     folder = Path(folder)
-    found = [prefix + name for name in foreign_entries(folder)]
-    for entry in sorted(folder.iterdir()):
-        if entry.is_dir() and not entry.is_symlink() and is_glmkit_output(entry) and entry.name not in found:
+    foreign = foreign_entries(folder)
+    found = [prefix + name for name in foreign]
+    for entry in sorted(folder.iterdir()):  # a recorded subdirectory may have gained files of its own
+        if entry.name not in foreign and entry.is_dir() and not entry.is_symlink() and is_glmkit_output(entry):
             found += added_entries(entry, f"{prefix}{entry.name}/")
     return found
 
