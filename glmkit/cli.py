@@ -61,6 +61,16 @@ def _finite(text: str) -> float:
 
 
 _finite.__name__ = "finite number"
+
+
+def _finite_positive(text: str) -> float:
+    value = _finite(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+    return value
+
+
+_finite_positive.__name__ = "positive number"
 MAX_LORA_RANK = 1 << 16  # far above any projection's smaller side; past it the adapter sizes overflow
 MAX_DECODE_STEPS = 1 << 16
 
@@ -637,6 +647,7 @@ def cmd_serve(args) -> int:
     serve(args.checkpoint, args.host, args.port, args.device, args.dtype, _backends(args), args.tokenizer,
           args.max_batch_size, args.allow_updates_from, on_ready=lambda line: print(line, flush=True),
           max_context=args.max_context, prefill_chunk=args.prefill_chunk, max_body=args.max_body_bytes,
+          max_weights_body=args.max_weights_body_bytes, body_timeout_s=args.body_timeout_s,
           served_model_name=args.served_model_name, enable_memory_saver=args.enable_memory_saver,
           seed=args.random_seed, base_gpu_id=args.base_gpu_id, max_prefill_tokens=args.max_prefill_tokens)
     return 0
@@ -961,8 +972,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "runs alone); teacher-forced log-probs are computed in pieces either way")
     p.add_argument("--allow-updates-from", action="append", default=[], metavar="DIR",
                    help="/update_weights_from_disk may read directories under DIR (repeatable; default: none)")
-    p.add_argument("--max-body-bytes", type=_positive, default=1 << 30,
-                   help="largest request body accepted (larger ones get 413; default 1 GiB)")
+    p.add_argument("--max-body-bytes", type=_positive, default=64 << 20,
+                   help="largest request body accepted (larger ones get 413; default 64 MiB, ~9M token ids)")
+    p.add_argument("--max-weights-body-bytes", type=_positive, default=1 << 30,
+                   help="largest /update_weights_from_tensor body (safetensors blobs in base64; default 1 GiB)")
+    p.add_argument("--body-timeout-s", type=_finite_positive, default=60.0, metavar="SECONDS",
+                   help="answer 408 and close when a request body sends nothing for this long (default 60)")
     p.add_argument("--served-model-name", help="the name /v1/models and /server_info report (default: the checkpoint)")
     p.add_argument("--enable-memory-saver", action="store_true",
                    help="report SGLang's memory saver as on in /server_info (the framework compares it with its "
@@ -1044,6 +1059,8 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("glmkit: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except Exception as err:  # noqa: BLE001 - a fault in an argument's type function: glmkit's, not the input's
+        return _internal_error("arguments", err)
     default_show = warnings.showwarning
     default_term = _on_sigterm(_terminate)
     try:

@@ -65,3 +65,39 @@ def ascii_float(text: str) -> float:
     if not isinstance(text, str) or not _DECIMAL.fullmatch(text) or not math.isfinite(value := float(text)):
         raise ValueError(f"not a finite decimal number: {text!r}")
     return value
+
+
+# A tensor read from a file may be a view declaring far more elements than its storage holds (torch.save
+# keeps `x.expand(n)` as one stored element and a stride of 0); reading its values would materialise all
+# of them. Such views are read up to this size; beyond it the file is refused by name.
+MAX_EXPANDED_BYTES = 256 * 2**20
+
+
+def check_loaded_tensors(value, file: str, place: str = "", depth: int = 0) -> None:
+    """Refuse, naming the file and the place (e.g. `samples[0].tokens`), any tensor in a torch.load result
+    (nested in dicts, lists and tuples) that holds no data (meta), is not dense, or is an expanded view
+    larger than MAX_EXPANDED_BYTES; such a tensor fails later in a far less telling way, or fills memory."""
+    import torch
+
+    if depth > 64:  # no file glmkit reads nests deeper; not worth walking
+        return
+    if isinstance(value, dict):
+        for key, item in value.items():
+            name = key if isinstance(key, str) and key.isidentifier() else f"[{key!r}]"
+            check_loaded_tensors(item, file, f"{place}.{name}" if place and name[0] != "[" else place + name,
+                                 depth + 1)
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            check_loaded_tensors(item, file, f"{place}[{i}]", depth + 1)
+    elif isinstance(value, torch.Tensor):
+        where = f"{file}: {place}" if place else file
+        if value.is_meta:
+            raise ValueError(f"{where}: a meta (data-less) tensor; the file must hold the values")
+        if value.layout != torch.strided:
+            raise ValueError(f"{where}: a {value.layout} tensor; glmkit reads dense tensors")
+        declared = value.numel() * value.element_size()
+        stored = value.untyped_storage().nbytes()
+        if declared > stored and declared > MAX_EXPANDED_BYTES:
+            raise ValueError(f"{where}: an expanded view of {value.numel()} elements ({declared} bytes) over "
+                             f"{stored} stored bytes; glmkit materialises such views up to "
+                             f"{MAX_EXPANDED_BYTES // 2**20} MiB")

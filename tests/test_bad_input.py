@@ -1020,3 +1020,29 @@ def test_an_output_file_is_a_regular_file_and_never_standard_output(tmp_path):
     with pytest.raises(ValueError, match="/dev/null: is a character device"):
         check_file_out("/dev/null", "--metrics-out")
     assert check_file_out(tmp_path / "m.jsonl", "--metrics-out") == tmp_path / "m.jsonl"
+
+
+def test_a_fault_in_an_arguments_type_function_is_an_internal_error(monkeypatch, capsys, tmp_path):
+    """An exception other than argparse's own from a type function (a bug in glmkit, not the input) ended
+    in a bare traceback with exit 1, before the CLI's error contract applied; it is exit 3 with the
+    traceback saved, like any internal error."""
+    import glmkit.cli as cli
+
+    def broken(text):
+        raise ZeroDivisionError("a bug in a type function")
+
+    real = cli.build_parser
+
+    def parser():
+        built = real()
+        built.add_argument("--broken", type=broken)
+        return built
+
+    monkeypatch.setattr(cli, "build_parser", parser)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    assert cli.main(["--broken", "1", "ckpt", "info", str(tmp_path)]) == 3
+    err = capsys.readouterr().err
+    assert err.startswith("glmkit arguments: internal error: ZeroDivisionError: a bug in a type function (traceback "
+                          "saved to "), err
+    saved = Path(err.split("traceback saved to ")[1].split(";")[0])
+    assert "ZeroDivisionError" in saved.read_text()

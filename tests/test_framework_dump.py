@@ -469,6 +469,9 @@ def _first(pattern):
     (r"step=0___rank=0___.*attn_output", lambda d: d.update(value=d["value"].to_sparse()), "sparse_coo tensor"),
     (r"step=0___rank=0___.*attn_output", lambda d: d.update(value=torch.empty(2, 3, device="meta")),
      r"meta \(data-less\) tensor"),
+    # Hostile pass 5: one stored element declaring 2**31 ran the reader out of memory (exit 4, not a refusal).
+    (r"step=0___rank=0___.*input_ids", lambda d: d.update(value=torch.zeros(1, dtype=torch.long).expand(2 ** 31)),
+     r"value: an expanded view of 2147483648 elements"),
     (r"step=0___rank=1___.*attn_output", lambda d: d.update(value=d["value"][:, :3]), "pieces of shapes"),
     (r"step=0___rank=1___.*attn_output", lambda d: d["meta"]["sglang_parallel_info"].update(tp_size=7),
      "the ranks' parallel info gives tp sizes"),

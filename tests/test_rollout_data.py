@@ -275,6 +275,11 @@ def test_the_reference_head_in_chunks_equals_one_pass(rollout_file, monkeypatch)
     (lambda d: d["samples"][0].update(rollout_log_probs=[10 ** 400, 0.0]), "a number too large for a float"),
     (lambda d: d["samples"][0].update(tokens=torch.empty(4, dtype=torch.long, device="meta")),
      r"tokens: a meta \(data-less\) tensor"),
+    # Hostile pass 5: 2**31 elements over one stored element; reading them ran the machine out of memory.
+    (lambda d: d["samples"][0].update(tokens=torch.ones(1, dtype=torch.long).expand(2 ** 31)),
+     r"samples\[0\]\.tokens: an expanded view of 2147483648 elements \(17179869184 bytes\) over 8 stored bytes"),
+    (lambda d: d["samples"][0].update(rollout_log_probs=torch.zeros(1).expand(2 ** 30)),
+     r"rollout_log_probs: an expanded view"),
 ])
 def test_values_the_report_writes_are_plain_or_refused_before_any_model_runs(tmp_path, edit, message):
     """Hostile pass 4: these ended in exit 3 (a TypeError writing the JSON, after every sample was

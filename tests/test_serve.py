@@ -635,6 +635,39 @@ def test_a_client_leaving_mid_body_is_not_a_fault_and_no_page_loads_a_cdn(server
     assert requests.get(server.url + "/openapi.json", timeout=10).status_code == 200
 
 
+def test_a_stalled_body_is_answered_408_and_weights_have_their_own_body_limit():
+    """Hostile pass 4: 1500 connections that sent headers and 8 bytes of a 100 KB body were all still held
+    60 s later (no body read timeout); one JSON body could be 1 GiB. Now a body that sends nothing for
+    --body-timeout-s gets 408 and its connection is closed; /generate bodies are bounded by
+    --max-body-bytes and tensor weight updates by --max-weights-body-bytes."""
+    import socket
+
+    s = Server("--body-timeout-s", "1", "--max-body-bytes", "100000", "--max-weights-body-bytes", "400000")
+    try:
+        host, port = s.url.removeprefix("http://").rsplit(":", 1)
+        started = time.time()
+        with socket.create_connection((host, int(port)), timeout=20) as conn:
+            conn.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 1000\r\n\r\n{\"text\": ")
+            answer = b""
+            while piece := conn.recv(65536):  # ends when the server closes the connection
+                answer += piece
+        assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+        assert b"no part of the request body arrived for 1 s" in answer and b"9 bytes had arrived" in answer
+        assert time.time() - started < 15
+        blob = {"serialized_named_tensors": ["A" * 200000], "load_format": "safetensors"}
+        weights = requests.post(s.url + "/update_weights_from_tensor", json=blob, timeout=30)
+        assert weights.status_code == 400 and "safetensors" in weights.text, weights.text  # read, then refused
+        generate = requests.post(s.url + "/generate", json={"text": "A" * 200000}, timeout=30)
+        assert generate.status_code == 413 and "(--max-body-bytes)" in generate.text
+        too_big = requests.post(s.url + "/update_weights_from_tensor", json={"serialized_named_tensors": ["A" * 500000]},
+                                timeout=30)
+        assert too_big.status_code == 413 and "limit of 400000 bytes (--max-weights-body-bytes)" in too_big.text
+        assert requests.get(s.url + "/health", timeout=10).status_code == 200
+    finally:
+        s.kill()
+
+
 def test_a_weight_version_is_a_short_printable_label(server):
     """Hostile pass 4: any string was stored (NUL, 90 KB) and echoed in every answer."""
     for version in ("x" * 257, "a\x00b", "line\nbreak"):

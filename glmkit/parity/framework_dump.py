@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from glmkit.inputs import UNPICKLE_ERRORS, not_a_file
+from glmkit.inputs import UNPICKLE_ERRORS, check_loaded_tensors, not_a_file
 from glmkit.parity.dump import Capture
 
 # The dump names glmkit reads, each a glmkit site (glmkit.model.sites). Names the framework's patcher
@@ -202,9 +202,7 @@ def _load(file: Path) -> _Record:
     if (meta or {}).get("dims") is not None and not isinstance(meta["dims"], str):
         raise ValueError(f"{file}: dims is a {type(meta['dims']).__name__}; the dumper writes a string such as 't h[tp]'")
     value = data["value"]
-    if isinstance(value, torch.Tensor) and (value.layout != torch.strided or value.is_meta):
-        raise ValueError(f"{file}: a {'meta (data-less)' if value.is_meta else value.layout} tensor; glmkit reads "
-                         f"dense tensors with their data")
+    check_loaded_tensors(data, str(file))  # meta, sparse and hugely expanded tensors, before any is read
     meta = {**(meta or {}), **tags}
     cp = _parallel(meta).get("cp", (0, 1))[1]
     if cp > 1:

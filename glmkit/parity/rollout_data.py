@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from glmkit.inputs import UNPICKLE_ERRORS, not_a_file
+from glmkit.inputs import UNPICKLE_ERRORS, check_loaded_tensors, not_a_file
 
 DEFAULT_THRESHOLD = 0.02  # mean |logp - reference| per sample; the recipe's healthy abs diff is ~0.007
 WORST_TOKENS = 8
@@ -54,7 +54,7 @@ def _load(path: Path, what: str):
         raise ValueError(f"{path}: {why}; {what} is one .pt file")
     try:
         with torch.serialization.safe_globals(_numpy_globals()):
-            return torch.load(path, map_location="cpu", weights_only=True)
+            loaded = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
         found = re.search(r"GLOBAL ([\w.]+)|(REDUCE|BUILD|INST|OBJ)", str(err))
         if not found:
@@ -65,6 +65,8 @@ def _load(path: Path, what: str):
     except UNPICKLE_ERRORS as err:
         raise ValueError(f"{path}: not a readable torch.save file ({type(err).__name__}: "
                          f"{str(err).splitlines()[0][:200] if str(err) else 'truncated'})") from None
+    check_loaded_tensors(loaded, str(path))
+    return loaded
 
 
 def _no_meta(value, where: str) -> None:

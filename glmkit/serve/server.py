@@ -41,7 +41,13 @@ from glmkit.serve.sampling import RequestSampler, RequestState
 DEFAULT_MAX_BATCH = 64
 DEFAULT_MAX_CONTEXT = 65536  # prompt + new tokens of one request: bounds what one request can allocate
 DEFAULT_MAX_PREFILL_TOKENS = 16384  # prompt tokens prefilled together (SGLang's --max-prefill-tokens default)
-DEFAULT_MAX_BODY = 1 << 30  # bytes of one request body (a tensor update may be large)
+# Bytes of one request body. A /generate body of N token ids is about 7N bytes and parses into ~8x its size
+# in Python objects, so the general bound is modest; weights sent as tensors get their own, larger one.
+DEFAULT_MAX_BODY = 64 << 20
+DEFAULT_MAX_WEIGHTS_BODY = 1 << 30
+# A body that stops arriving holds a connection for ever (uvicorn has no body read timeout): after this
+# many seconds without a byte the request is answered 408 and the connection closed.
+DEFAULT_BODY_TIMEOUT_S = 60.0
 # JSON may escape a UTF-16 surrogate; a lone one decodes to a str no tokenizer or encoder accepts
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
@@ -863,7 +869,8 @@ class Batcher:
                 self.cancelled.discard(it.rid)
 
 
-def build_app(service: EngineService, window_s: float = 0.005, max_body: int = DEFAULT_MAX_BODY):
+def build_app(service: EngineService, window_s: float = 0.005, max_body: int = DEFAULT_MAX_BODY,
+              max_weights_body: int = DEFAULT_MAX_WEIGHTS_BODY, body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S):
     from contextlib import asynccontextmanager
 
     from fastapi import FastAPI
@@ -886,21 +893,31 @@ def build_app(service: EngineService, window_s: float = 0.005, max_body: int = D
     async def refused(request: HttpRequest, exc: RequestError):
         return JSONResponse(exc.body(), status_code=exc.status)
 
-    async def body_of(request: HttpRequest):
-        """The JSON body, at most --max-body-bytes (413 naming the limit); {} when empty."""
+    async def body_of(request: HttpRequest, weights: bool = False):
+        """The JSON body, at most --max-body-bytes (--max-weights-body-bytes for tensors; 413 naming the
+        limit), each piece within --body-timeout-s of the last (408); {} when empty."""
+        limit, flag = (max_weights_body, "--max-weights-body-bytes") if weights else (max_body, "--max-body-bytes")
         declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > max_body:
-            raise RequestError(f"request body of {int(declared)} bytes exceeds this server's limit of {max_body} bytes "
-                               f"(--max-body-bytes)", status=413)
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise RequestError(f"request body of {int(declared)} bytes exceeds this server's limit of {limit} bytes "
+                               f"({flag})", status=413)
         from starlette.requests import ClientDisconnect
 
         data = bytearray()
+        pieces = request.stream().__aiter__()
         try:
-            async for piece in request.stream():
+            while True:
+                try:
+                    piece = await asyncio.wait_for(pieces.__anext__(), body_timeout_s)
+                except StopAsyncIteration:
+                    break
+                except asyncio.TimeoutError:
+                    raise RequestError(f"no part of the request body arrived for {body_timeout_s:g} s "
+                                       f"(--body-timeout-s); {len(data)} bytes had arrived", status=408) from None
                 data += piece
-                if len(data) > max_body:
-                    raise RequestError(f"request body exceeds this server's limit of {max_body} bytes "
-                                       f"(--max-body-bytes)", status=413)
+                if len(data) > limit:
+                    raise RequestError(f"request body exceeds this server's limit of {limit} bytes ({flag})",
+                                       status=413)
         except ClientDisconnect:  # the client left mid-body: nothing to answer, nothing to log as a fault
             raise RequestError("the client disconnected before sending the whole body", status=400) from None
         if not data.strip():
@@ -1141,7 +1158,7 @@ def build_app(service: EngineService, window_s: float = 0.005, max_body: int = D
 
     @app.post("/update_weights_from_tensor")
     async def update_from_tensor(request: HttpRequest):
-        body = protocol.parse_body(await body_of(request), {
+        body = protocol.parse_body(await body_of(request, weights=True), {
             "serialized_named_tensors": ("list[str]", ...), "load_format": ("str?", None), "flush_cache": (bool, True),
             "abort_all_requests": (bool, False), "weight_version": ("str?", None), "selector": (str, "all"),
             "torch_empty_cache": (bool, False)}, "update_weights_from_tensor")
@@ -1305,7 +1322,8 @@ def serve(checkpoint, host: str = "127.0.0.1", port: int = 30000, device: str = 
           window_s: float = 0.005, on_ready=print, max_context: int = DEFAULT_MAX_CONTEXT,
           prefill_chunk: int | None = None, max_body: int = DEFAULT_MAX_BODY, served_model_name: str | None = None,
           enable_memory_saver: bool = False, seed: int = 0, base_gpu_id: int = 0,
-          max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS):
+          max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS, max_weights_body: int = DEFAULT_MAX_WEIGHTS_BODY,
+          body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S):
     """Load the checkpoint and serve until interrupted. Port 0 picks a free port; `on_ready` gets
     the line naming the address."""
     import uvicorn
@@ -1344,7 +1362,7 @@ def serve(checkpoint, host: str = "127.0.0.1", port: int = 30000, device: str = 
     service = EngineService(model, backends, tok, str(checkpoint), tok_dir or "", max_batch, update_roots,
                             max_context, prefill_chunk, checkpoint_eos_ids(checkpoint, model, tok), server_args, seed,
                             max_prefill_tokens)
-    app = build_app(service, window_s, max_body)
+    app = build_app(service, window_s, max_body, max_weights_body, body_timeout_s)
     config = uvicorn.Config(app, log_level="warning", access_log=False)
     server = uvicorn.Server(config)
     on_ready(f"glmkit serve: {checkpoint} on http://{host}:{bound} (SGLang native API; device {device}, "
