@@ -28,9 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-
-def rel_rms(ref, x):
-    return ((ref.float() - x.float()).norm() / ref.float().norm().clamp_min(1e-30)).item()
+from glmkit.comparison import rel_rms  # noqa: E402
 
 
 def main(argv=None):

@@ -1,9 +1,14 @@
 """`glmkit check`: glmkit's two paths against the transformers reference on one checkpoint.
 
-Runs, on seeded prompts long enough that the DSA selection drops keys:
-  train path logits vs reference (left-padded batch); rollout prefill logits vs reference;
-  rollout decode, step by step, vs the reference's cached decode; and a greedy rollout whose tokens
-  the train path re-scores (train vs rollout log-prob |diff|, the recipe's first bring-up metric).
+Runs, on seeded prompts long enough that the DSA selection drops keys, and their greedy continuation:
+  train path logits vs reference; rollout prefill logits vs reference; rollout decode, step by step,
+  vs the reference at the same positions; and the greedy rollout's log-probs re-scored by the train
+  path (train vs rollout log-prob |diff|, the recipe's first bring-up metric).
+The reference runs each sequence unpadded, once, over prompt + continuation (causal: its prompt rows
+are what a prompt-only run gives). Measures, thresholds and the tie rule are `glmkit.comparison`'s,
+the ones `glmkit parity` uses: where glmkit's DSA selections differ from the reference's only by ties
+(pools scoring equal at the top-k boundary), both glmkit paths are run again with the reference's
+selections and compared like for like (top-k replay), as parity's `--replay-topk auto` does.
 Writes an HTML + JSON report; the verdict is "pass" when every comparison is within tolerance.
 """
 
@@ -16,14 +21,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from glmkit.comparison import THRESHOLDS, TIE_TOLERANCE, compare_indices, dtype_name, rel_rms, tied_layers
 from glmkit.kernels.backends import Backends
-
-# fp32 tolerances (see tests/test_model_parity.py for why): relative RMS of logits, and the
-# train-vs-rollout log-prob max |diff|. bf16 runs get looser bounds.
-TOLERANCE = {
-    torch.float32: {"rel_rms": 5e-5, "logprob_abs": 1e-4},
-    torch.bfloat16: {"rel_rms": 2e-2, "logprob_abs": 5e-2},
-}
 
 
 @dataclass
@@ -37,10 +36,6 @@ class CheckSettings:
     backends: Backends | str | None = None
 
 
-def _rel_rms(ref, x) -> float:
-    return ((ref - x).float().norm() / ref.float().norm().clamp_min(1e-30)).item()
-
-
 def _prompts(config, seed: int) -> list[list[int]]:
     span = config.index_topk + config.index_kpool
     lengths = [3 * span + 5, span + 1, max(2, config.index_kpool - 1)]
@@ -49,11 +44,32 @@ def _prompts(config, seed: int) -> list[list[int]]:
     return [torch.randint(low, config.vocab_size, (n,), generator=g).tolist() for n in lengths]
 
 
+def _selections(capture, rows=None) -> dict:
+    """{DSA layer: [T, W] sequence-local selections} of a capture, optionally only these token rows."""
+    return {layer: t if rows is None else t[rows] for (layer, site), t in capture.tensors.items()
+            if site == "indexer_topk"}
+
+
+def _index_results(ref, ours, rows, config, limits: dict, tie: dict) -> list:
+    """The reference's DSA selections (at token `rows`) against one glmkit path's, per layer."""
+    results = []
+    layers = sorted(layer for (layer, site) in ours.tensors if site == "indexer_topk" and (layer, site) in ref.tensors)
+    for layer in layers:
+        site, theirs = "indexer_topk", ours.tensors[(layer, "indexer_topk")]
+        # each side's own pool scores: a differing row is a tie when both sides score it at their boundary
+        scores = [ref.tensors.get((layer, "indexer_scores")), ours.tensors.get((layer, "indexer_scores"))]
+        scores[0] = None if scores[0] is None else scores[0][rows]
+        results.append(compare_indices(ref.tensors[(layer, site)][rows], theirs, layer, site, limits["identical"],
+                                       *scores, group=config.index_kpool, **tie))
+    return results
+
+
 def run_check(settings: CheckSettings, work_dir: Path) -> dict:
     from glmkit.checkpoint import open_checkpoint, synth_checkpoint
     from glmkit.config import describe
     from glmkit.model import RolloutEngine, SamplingParams, TrainPath, load_model
-    from glmkit.reference import load_reference, reference_decode_logits, reference_logits
+    from glmkit.parity.capture import capture_reference, capture_rollout, capture_train
+    from glmkit.reference import load_reference
 
     started = time.time()
     path = settings.checkpoint
@@ -67,37 +83,66 @@ def run_check(settings: CheckSettings, work_dir: Path) -> dict:
     bar.set_postfix_str("loading"), bar.update()
     ref = load_reference(path, settings.dtype, settings.device)
     model = load_model(path, settings.dtype, settings.device)
-    tol = TOLERANCE[settings.dtype]
+    name = dtype_name(settings.dtype)
+    limits, tie = THRESHOLDS[name], TIE_TOLERANCE[name]
     prompts = _prompts(config, settings.seed)
     checks, curves = [], {}
+
+    bar.set_postfix_str("greedy rollout"), bar.update()
+    engine = RolloutEngine(model, settings.backends)
+    greedy = engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=settings.decode_steps))
+    # the tokens each decode step is fed (a sequence that stopped early is fed 0s, on both sides)
+    feed = [(c.tokens + [0] * settings.decode_steps)[:settings.decode_steps - 1] for c in greedy]
+    full = [p + f for p, f in zip(prompts, feed)]
+    starts = [sum(map(len, full[:n])) for n in range(len(full))]
+    prompt_rows = torch.cat([torch.arange(s, s + len(p)) for s, p in zip(starts, prompts)])
+
+    bar.set_postfix_str("reference"), bar.update()
+    reference = capture_reference(ref, full, keep_logits=True)
+
+    def glmkit_paths(replay):
+        train = capture_train(model, prompts, settings.backends, keep_logits=True,
+                              topk_replay=None if replay is None else {k: v[prompt_rows] for k, v in replay.items()})
+        rollout = capture_rollout(model, full, [len(p) for p in prompts], settings.backends, replay, keep_logits=True)
+        return train, rollout
+
+    bar.set_postfix_str("train and rollout paths"), bar.update()
+    def judged(train, rollout):
+        return {"train": _index_results(reference, train, prompt_rows, config, limits, tie),
+                "rollout": _index_results(reference, rollout, slice(None), config, limits, tie)}
+
+    train, rollout = glmkit_paths(None)
+    selections = judged(train, rollout)
+    tied = sorted(set(tied_layers(selections["train"]) + tied_layers(selections["rollout"])))
+    replay_note = None
+    if tied:  # parity's automatic rule: like for like downstream of a tie
+        train, rollout = glmkit_paths(_selections(reference))
+        # judged again: each glmkit indexer still records its own choice, now from like-for-like inputs
+        selections = judged(train, rollout)
+        replay_note = (f"both glmkit paths replay the reference's DSA selections: ties were seen at layer(s) "
+                       f"{', '.join(map(str, tied))} without replay")
 
     def compare(name, ref_rows, ours_rows):
         per_pos = (ref_rows - ours_rows).abs().amax(-1).float().cpu()
         curves.setdefault(name, []).append(per_pos)
-        rel = _rel_rms(ref_rows, ours_rows)
-        checks.append({"name": name, "rel_rms": rel, "max_abs": per_pos.max().item(),
-                       "tolerance": tol["rel_rms"], "pass": rel < tol["rel_rms"]})
+        rel = rel_rms(ref_rows, ours_rows)
+        checks.append({"name": name, "rel_rms": rel, "max_abs": per_pos.max().item(), "tolerance": limits["rel_rms"],
+                       "topk_replayed": bool(tied), "pass": rel <= limits["rel_rms"]})
 
-    bar.set_postfix_str("train path"), bar.update()
-    expected = reference_logits(ref, prompts)
-    with torch.no_grad():
-        train = TrainPath(model, settings.backends).forward(prompts, return_logits=True)
-    for i, (s, e) in enumerate(train.packed.bounds()):
-        compare(f"reference vs train: logits, sequence {i}", expected[i], train.logits[s:e])
-
-    bar.set_postfix_str("rollout prefill"), bar.update()
-    engine = RolloutEngine(model, settings.backends)
-    greedy = engine.generate(prompts, SamplingParams(temperature=0, max_new_tokens=settings.decode_steps))
-    feed = torch.tensor([c.tokens + [0] * (settings.decode_steps - len(c.tokens)) for c in greedy])
-    _, ref_steps = reference_decode_logits(ref, prompts, feed[:, :-1])
-    batch, prefill = engine.prefill(prompts, max(map(len, prompts)) + settings.decode_steps, all_logits=True)
-    for i, (s, e) in enumerate(train.packed.bounds()):
-        compare(f"reference vs rollout: prefill logits, sequence {i}", expected[i], prefill[s:e])
-
-    bar.set_postfix_str("rollout decode"), bar.update()
-    steps = [engine.step(batch, feed[:, s].to(model.device)) for s in range(settings.decode_steps - 1)]
-    compare("reference vs rollout: decode logits (all steps)", ref_steps.transpose(0, 1).flatten(0, 1),
-            torch.stack(steps).flatten(0, 1))
+    ref_logits, train_logits = reference.tensors[(None, "logits")], train.tensors[(None, "logits")]
+    rollout_logits = rollout.tensors[(None, "logits")]
+    offset = 0
+    for i, (s, p) in enumerate(zip(starts, prompts)):
+        compare(f"reference vs train: logits, sequence {i}", ref_logits[s:s + len(p)],
+                train_logits[offset:offset + len(p)])
+        offset += len(p)
+    for i, (s, p) in enumerate(zip(starts, prompts)):
+        compare(f"reference vs rollout: prefill logits, sequence {i}", ref_logits[s:s + len(p)],
+                rollout_logits[s:s + len(p)])
+    # decode rows step by step, each step over the batch (the order the engine runs them)
+    steps = torch.tensor([s + len(p) + j for j in range(settings.decode_steps - 1) for s, p in zip(starts, prompts)],
+                         dtype=torch.long)
+    compare("reference vs rollout: decode logits (all steps)", ref_logits[steps], rollout_logits[steps])
 
     bar.set_postfix_str("train vs rollout"), bar.update()
     with torch.no_grad():
@@ -109,19 +154,24 @@ def run_check(settings: CheckSettings, work_dir: Path) -> dict:
     per_token = torch.cat(diffs)
     logprob = {"max_abs_diff": per_token.max().item(),
                "mean_abs_diff": torch.stack([d.mean() for d in diffs]).mean().item(),
-               "tokens": len(per_token), "tolerance": tol["logprob_abs"]}
+               "tokens": len(per_token), "tolerance": limits["logprob_abs"]}
     checks.append({"name": "train vs rollout: greedy log-probs", "rel_rms": None,
-                   "max_abs": logprob["max_abs_diff"], "tolerance": tol["logprob_abs"],
-                   "pass": logprob["max_abs_diff"] < tol["logprob_abs"]})
+                   "max_abs": logprob["max_abs_diff"], "tolerance": limits["logprob_abs"], "topk_replayed": False,
+                   "pass": logprob["max_abs_diff"] <= limits["logprob_abs"]})
     bar.set_postfix_str("done"), bar.update()
     bar.close()
+    # a selection that differs for real (not by a tie) fails on its own: replay must not hide it
+    chosen = [{"path": path_name, "layer": r.layer, "identical": r.identical, "tied": r.tied, "different": r.different,
+               "pass": not r.diverged} for path_name, results in selections.items() for r in results]
     return {
-        "verdict": "pass" if all(c["pass"] for c in checks) else "fail",
+        "verdict": "pass" if all(c["pass"] for c in checks + chosen) else "fail",
         "checkpoint": str(path), "variant": settings.variant if settings.checkpoint is None else None,
         "model": describe(config), "load_summary": ckpt.skipped_summary(),
-        "dtype": str(settings.dtype).replace("torch.", ""), "device": settings.device,
+        "dtype": name, "device": settings.device,
         "backends": str(Backends.parse(settings.backends)), "seed": settings.seed,
         "prompt_lengths": [len(p) for p in prompts], "decode_steps": settings.decode_steps,
+        "thresholds": dict(limits), "tie_tolerance": dict(tie), "topk_replay": replay_note,
+        "selections": chosen,
         "checks": checks, "train_rollout_logprob": logprob, "seconds": round(time.time() - started, 2),
         "_curves": {k: [c.tolist() for c in v] for k, v in curves.items()},
         "_per_token": per_token.tolist(),
@@ -150,9 +200,13 @@ def render(result: dict) -> str:
     hist = report.figure_png(fig)
     header = {k: result[k] for k in ("checkpoint", "model", "load_summary", "dtype", "device", "backends",
                                      "seed", "prompt_lengths", "decode_steps", "seconds")}
+    header["top-k replay"] = result["topk_replay"] or "not needed (no ties at the DSA selections)"
     header.update({f"version: {k}": v for k, v in report.versions().items()})
     sections = [
-        ("Comparisons", report.table(result["checks"], ["name", "rel_rms", "max_abs", "tolerance", "pass"])),
+        ("Comparisons", report.table(result["checks"], ["name", "rel_rms", "max_abs", "tolerance", "topk_replayed",
+                                                        "pass"])),
+        ("DSA selections against the reference's (fractions of token rows; tied rows do not count against)",
+         report.table(result["selections"], ["path", "layer", "identical", "tied", "different", "pass"])),
         ("Error against position", report.image(curves, "max |logit diff| per position")),
         ("Train vs rollout log-probs", report.table([result["train_rollout_logprob"]],
                                                     ["mean_abs_diff", "max_abs_diff", "tokens", "tolerance"])

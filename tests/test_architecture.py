@@ -14,7 +14,8 @@ PACKAGE = Path(glmkit.__file__).parent
 
 # Bottom first. A unit is a top-level module of glmkit or a folder (all the modules in it).
 LAYERS = [
-    ("base", {"__init__", "inputs", "bounds", "config", "report", "outputs", "seal", "tokenizer", "collectives"}),
+    ("base", {"__init__", "inputs", "bounds", "config", "report", "outputs", "seal", "tokenizer", "collectives",
+              "comparison"}),
     ("kernels", {"kernels"}),
     ("checkpoint", {"checkpoint"}),
     ("model", {"model", "reference"}),

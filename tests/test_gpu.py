@@ -11,14 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from glmkit.comparison import rel_rms
 from glmkit.kernels.kda import get_backend, naive
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 RATIO = 5e-3
 
-
-def rel_rms(ref, x):
-    return ((ref.float() - x.float()).norm() / ref.float().norm()).item()
 
 
 def kda_inputs(T, H=4, K=64, lengths=None, dtype=torch.float32):

@@ -11,14 +11,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from glmkit.comparison import rel_rms
 from glmkit.kernels.kda import get_backend, naive
 from tests import fla_naive
 
 TOL = 1e-5
 
-
-def rel_rms(ref, x):
-    return ((ref - x).norm() / ref.norm()).item()
 
 
 def inputs(B=2, T=150, H=3, K=16, V=8, seed=0):

@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+from glmkit.comparison import rel_rms
 from glmkit.checkpoint import open_checkpoint
 from glmkit.config import variant_config
 from glmkit.model import Glm5Model, cast_model, load_model, save_model
@@ -64,7 +65,7 @@ def run(moe, x, impl, experts=None):
 
 
 def rel(a, b):
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+    return rel_rms(b, a)  # b is the reference
 
 
 def test_state_dict_names_and_order_are_the_per_expert_layout():

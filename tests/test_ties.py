@@ -81,6 +81,38 @@ def test_an_unnormalised_indexer_query_still_fails_at_that_layers_topk(tie_ckpt,
     assert first.different > 0.01
 
 
+def test_check_and_parity_agree_on_ties_and_on_an_indexer_bug(tie_ckpt, tmp_path, monkeypatch):
+    """Issue 34: `glmkit check` compared at its own threshold without tie handling, so it failed on
+    these checkpoints where parity correctly reported ties. Both now use glmkit.comparison's engine:
+    both pass here, with the same tied layers replayed; and with the indexer bug both fail (replay does
+    not hide selections that differ for real)."""
+    from glmkit import check
+
+    name, path = tie_ckpt
+    first = FIRST_DSA[name]
+    result = check.run_check(check.CheckSettings(checkpoint=path, decode_steps=8), work_dir=tmp_path)
+    assert result["verdict"] == "pass", [c for c in result["checks"] if not c["pass"]]
+    assert result["topk_replay"] and "ties were seen at layer(s)" in result["topk_replay"]
+    assert all(c["topk_replayed"] for c in result["checks"] if c["name"].startswith("reference"))
+    rows = [r for r in result["selections"] if r["layer"] == first]
+    assert {r["path"] for r in rows} == {"train", "rollout"} and any(r["tied"] > 0 for r in rows)
+    assert all(r["different"] == 0 and r["pass"] for r in result["selections"])
+    for paths in (("reference", "train"), ("reference", "rollout")):
+        assert parity(path, paths, seq_len=64, batch=2)[0].verdict == "pass"
+
+    project = SparseMLA._project
+
+    def unnormalised(self, x):
+        _, q, latent = project(self, x)
+        return self.q_a_proj(x), q, latent
+
+    monkeypatch.setattr(SparseMLA, "_project", unnormalised)
+    broken = check.run_check(check.CheckSettings(checkpoint=path, decode_steps=8), work_dir=tmp_path)
+    assert broken["verdict"] == "fail"
+    assert any(r["layer"] == first and not r["pass"] for r in broken["selections"])
+    assert parity(path, ("reference", "train"), seq_len=64, batch=2)[0].verdict == "fail"
+
+
 def test_a_perturbed_indexer_weight_fails(tie_ckpt, tmp_path):
     name, path = tie_ckpt
     layer = FIRST_DSA[name]

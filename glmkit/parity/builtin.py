@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from glmkit.comparison import row_rel_rms
 from glmkit.kernels.backends import Backends
 from glmkit.parity.capture import capture_reference, capture_rollout, capture_train
 from glmkit.parity.compare import ParityResult, compare
@@ -329,7 +330,7 @@ def kda_error_vs_position(model, sequence, backends: Backends | str | None = Non
         chunked, _ = block.self_attn.forward_packed(x, packed, kda)
         state = block.self_attn.empty_state(1, model.dtype, model.device)
         stepped = torch.cat([block.self_attn.forward_step(x[t:t + 1], state, kda) for t in range(len(x))])
-        err = (chunked.double() - stepped.double()).norm(dim=-1) / stepped.double().norm(dim=-1).clamp_min(1e-30)
+        err = row_rel_rms(stepped, chunked)
         curves[block.layer] = err.tolist()
     return curves
 

@@ -103,9 +103,10 @@ def capture_train(model, sequences, backends: Backends | str | None = None, keep
 
 @torch.no_grad()
 def capture_rollout(model, sequences, prompt_lengths, backends: Backends | str | None = None,
-                    topk_replay: dict | None = None, **manifest) -> Capture:
+                    topk_replay: dict | None = None, keep_logits: bool = False, **manifest) -> Capture:
     """Prefill sequence[:p] for each prompt length p, then decode the remaining tokens one per step.
-    `topk_replay` as in capture_train (rows of every token, prompt and decoded)."""
+    `topk_replay` as in capture_train (rows of every token, prompt and decoded). `keep_logits`: the
+    (None, "logits") site too, the prefill's rows and each decode step's."""
     from glmkit.model import RolloutEngine
 
     seqs = [list(map(int, s)) for s in sequences]
@@ -135,6 +136,8 @@ def capture_rollout(model, sequences, prompt_lengths, backends: Backends | str |
                                    all_logits=True, record=record_prefill, record_scores=True,
                                    topk_replay={layer: rows[prompt_rows] for layer, rows in replay.items()})
     sink.put(None, "logprobs", token_logprobs(logits.cpu(), targets[prompt_rows]), prompt_rows)
+    if keep_logits:
+        sink.put(None, "logits", logits, prompt_rows)
     for j in range(remaining):
         active = [n for n, (s, p) in enumerate(zip(seqs, prompt_lengths)) if p + j < len(s)]
         rows = torch.tensor([int(starts[n]) + prompt_lengths[n] + j for n in active])
@@ -151,6 +154,8 @@ def capture_rollout(model, sequences, prompt_lengths, backends: Backends | str |
             step_replay[layer][active] = all_rows[rows].long()
         step_logits = engine.step(batch, feed, record=record_step, topk_replay=step_replay, record_scores=True)
         sink.put(None, "logprobs", token_logprobs(step_logits[active].cpu(), targets[rows]), rows)
+        if keep_logits:
+            sink.put(None, "logits", step_logits[active], rows)
     return capture
 
 
@@ -194,9 +199,11 @@ def capture_sglang(url: str, sequences, model_config, **manifest) -> Capture:
 
 
 @torch.no_grad()
-def capture_reference(ref, sequences, topk_replay: dict | None = None, **manifest) -> Capture:
+def capture_reference(ref, sequences, topk_replay: dict | None = None, keep_logits: bool = False,
+                      **manifest) -> Capture:
     """transformers' Glm5NextForConditionalGeneration, one unpadded sequence at a time, through hooks.
-    `topk_replay` as in capture_train: a hook replaces each full indexer's output with those rows."""
+    `topk_replay` as in capture_train: a hook replaces each full indexer's output with those rows.
+    `keep_logits`: the (None, "logits") site too, fp32."""
     text = ref.model.language_model
     config = ref.config.get_text_config()
     input_ids, packed = pack(sequences)
@@ -221,6 +228,8 @@ def capture_reference(ref, sequences, topk_replay: dict | None = None, **manifes
             ids = input_ids[start:end][None].to(ref.device)
             logits = ref(input_ids=ids).logits[0].float().cpu()
             sink.put(None, "logprobs", token_logprobs(logits, targets[start:end]), rows_now["rows"])
+            if keep_logits:
+                sink.put(None, "logits", logits, rows_now["rows"])
     finally:
         for h in hooks:
             h.remove()

@@ -357,7 +357,7 @@ def topk_row_kinds(trainer: dict, rollout: dict, scores: dict, mask: torch.Tenso
     selection (its own indexer's, even under replay) differs from the rollout's when the sets
     differ; a tie when, under the trainer's own scores, the differing pools score its top-k
     boundary and the rollout's set is a top-k too. None without DSA layers."""
-    from glmkit.parity.compare import TIE_TOLERANCE, classify_rows
+    from glmkit.comparison import TIE_TOLERANCE, classify_rows
 
     if not rollout:
         return None
