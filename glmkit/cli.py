@@ -124,6 +124,12 @@ def _check(args) -> int:
     for c in result["checks"]:
         rel = "" if c["rel_rms"] is None else f"rel RMS {c['rel_rms']:.2e}  "
         print(f"{'ok  ' if c['pass'] else 'FAIL'} {c['name']}: {rel}max |diff| {c['max_abs']:.2e}")
+    for r in result["selections"]:
+        if not r["pass"] or r["tied"]:
+            print(f"{'ok  ' if r['pass'] else 'FAIL'} DSA selections, {r['path']} layer {r['layer']}: "
+                  f"{r['identical']:.1%} identical, {r['tied']:.1%} tied, {r['different']:.1%} different")
+    if result["topk_replay"]:
+        print(f"top-k replay: {result['topk_replay']}")
     lp = result["train_rollout_logprob"]
     print(f"train vs rollout log-prob |diff|: mean {lp['mean_abs_diff']:.2e}, max {lp['max_abs_diff']:.2e} "
           f"over {lp['tokens']} tokens")
