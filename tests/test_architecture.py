@@ -23,7 +23,7 @@ LAYERS = [
     ("parity", {"parity"}),
     ("rl", {"rl"}),
     ("launch", {"launch"}),
-    ("commands", {"check", "notebook", "cli", "__main__"}),
+    ("commands", {"check", "notebook", "commands", "cli", "__main__"}),
 ]
 LAYER_OF = {unit: i for i, (_, units) in enumerate(LAYERS) for unit in units}
 
