@@ -104,7 +104,7 @@ def test_resume_continues_the_same_run(tmp_path):
     GRPOTrainer(cfg).run()
     assert sorted(p.name for p in (tmp_path / "b" / "ckpt").glob("iter_*")) == ["iter_0000001"]
     assert (tmp_path / "b" / "ckpt" / "iter_0000001" / "optimizer.safetensors").exists()
-    cfg.num_rollout, cfg.resume = 4, True
+    cfg = dataclasses.replace(cfg, num_rollout=4, resume=True)  # a TrainConfig is fixed: a changed copy
     changed = dataclasses.replace(cfg, lr=2e-3, seed=5)
     with pytest.raises(ValueError, match=r"2 setting\(s\) differ .*--lr .*--seed 0 -> 5.*--accept-changes lr,seed"):
         GRPOTrainer(changed)  # refused before anything is loaded or written; the lock is let go
@@ -276,7 +276,7 @@ def test_resume_cuts_the_metrics_back_to_the_checkpoint(tmp_path):
                save_interval=2)
     GRPOTrainer(cfg).run()
     assert [h["step"] for h in rollout_rows(read_metrics(tmp_path / "metrics.jsonl"))] == [0, 1, 2]
-    cfg.num_rollout, cfg.resume = 4, True
+    cfg = dataclasses.replace(cfg, num_rollout=4, resume=True)  # a TrainConfig is fixed: a changed copy
     resumed = GRPOTrainer(cfg)
     assert resumed.start_step == 2 and any("moved 2 later metric rows" in n for n in resumed.notes)
     side = list(tmp_path.glob("metrics.jsonl.dropped-*"))
@@ -286,7 +286,7 @@ def test_resume_cuts_the_metrics_back_to_the_checkpoint(tmp_path):
     # resuming into a file glmkit did not write (someone's rows) is refused before it is cut or appended to
     foreign = tmp_path / "rows.jsonl"
     foreign.write_text('{"step": 7, "note": "mine"}\nnot json\n')
-    cfg.metrics_out, cfg.num_rollout = str(foreign), 5
+    cfg = dataclasses.replace(cfg, metrics_out=str(foreign), num_rollout=5)
     with pytest.raises(ValueError, match="not a metrics file glmkit wrote .* --resume appends to only those"):
         GRPOTrainer(cfg)
     assert foreign.read_text() == '{"step": 7, "note": "mine"}\nnot json\n' and not list(tmp_path.glob("rows.jsonl.*"))
@@ -300,3 +300,32 @@ def test_fail_unhealthy_exits_non_zero_with_reasons(tmp_path):
     again = run_cli("--num-rollout", 2, "--rollout-batch-size", 4, "--global-batch-size", 32, "--metrics-out",
                     tmp_path / "m.jsonl", "--overwrite")
     assert again.returncode == 0 and "run verdict: not enough rollouts to judge" in again.stdout
+
+
+def test_the_run_config_is_fixed_and_the_step_state_is_a_value_checkpoints_carry(tmp_path):
+    """Issue 34: the settings are an immutable TrainConfig; what one rollout hands the next is a
+    TrainState value (`advance(state) -> (rows, next state)`, the input left as it was); a checkpoint
+    writes it to state.json and --resume reads it back, the skipped-step streak included."""
+    from glmkit.rl.loop import TrainState
+
+    cfg = tiny(tmp_path, num_rollout=2, rollout_batch_size=4, global_batch_size=32, save=str(tmp_path / "ck"))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.lr = 1.0
+    trainer = GRPOTrainer(cfg)
+    start = trainer.state
+    rows, after = trainer.advance(start)
+    assert start == TrainState(0, 0) and after == TrainState(1, 0) and trainer.state == start
+    assert after.sampling_seed(trainer.cfg) == cfg.seed * 100003 + 1
+    assert [r["rollout/step"] for r in rows] == [0, 0]  # one optimizer step, then the rollout row
+    trainer.release()
+    GRPOTrainer(dataclasses.replace(cfg, overwrite=True)).run()
+    state_file = tmp_path / "ck" / "iter_0000001" / "state.json"
+    recorded = json.loads(state_file.read_text())
+    assert (recorded["step"], recorded["nonfinite_streak"]) == (1, 0)
+    state_file.write_text(json.dumps({**recorded, "nonfinite_streak": 2}))
+    resumed = GRPOTrainer(dataclasses.replace(cfg, num_rollout=3, resume=True))
+    assert resumed.state == TrainState(2, 2) and resumed.start_step == 2
+    resumed.release()
+    state_file.write_text(json.dumps({**recorded, "nonfinite_streak": "x"}))
+    with pytest.raises(ValueError, match=r"state.json: nonfinite_streak 'x': expected a non-negative integer"):
+        GRPOTrainer(dataclasses.replace(cfg, num_rollout=3, resume=True))

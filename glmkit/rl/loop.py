@@ -14,7 +14,7 @@ import math
 import os
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -48,8 +48,11 @@ PRESETS = {
 }
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainConfig:
+    """A run's settings, fixed for the run: `resolved()` gives the complete, checked copy the trainer
+    keeps (presets filled in); nothing changes it afterwards."""
+
     model_name: str = "tiny"
     checkpoint: str | None = None
     tokenizer: str | None = None          # default: the checkpoint's own tokenizer files
@@ -98,10 +101,8 @@ class TrainConfig:
         """Fill unset fields from the --model-name preset and validate."""
         if self.model_name not in PRESETS:
             raise ValueError(f"unknown --model-name {self.model_name!r}; allowed: {', '.join(PRESETS)}")
-        cfg = copy.copy(self)
-        for key, value in PRESETS[self.model_name].items():
-            if getattr(cfg, key) is None:
-                setattr(cfg, key, value)
+        cfg = replace(self, **{key: value for key, value in PRESETS[self.model_name].items()
+                               if getattr(self, key) is None})
         if cfg.checkpoint is None:
             raise ValueError(f"--model-name {cfg.model_name} needs --checkpoint (an HF checkpoint directory)")
         total = cfg.rollout_batch_size * cfg.n_samples_per_prompt
@@ -139,12 +140,68 @@ class TrainConfig:
         return cfg
 
 
+def rollout_seed(cfg: TrainConfig, step: int) -> int:
+    """The sampling seed of rollout `step`: the run's seed and the step, nothing else."""
+    return cfg.seed * 100003 + step
+
+
+@dataclass(frozen=True)
+class TrainState:
+    """What one rollout hands the next, besides the weights and the optimizer's moments: which rollout
+    comes next and how many optimizer steps in a row were skipped for a NaN / Inf. The randomness of a
+    rollout is a function of it (`sampling_seed`, and the prompt order from the run's seed), so a resumed
+    run draws what the uninterrupted one would have. Checkpoints write it and --resume reads it back."""
+
+    step: int = 0              # the next rollout to run
+    nonfinite_streak: int = 0  # optimizer steps in a row skipped for a NaN / Inf loss or gradient norm
+
+    def sampling_seed(self, cfg: TrainConfig) -> int:
+        return rollout_seed(cfg, self.step)
+
+    def to_record(self) -> dict:
+        """As state.json holds it: `step` is the rollout the checkpoint completed."""
+        return {"step": self.step - 1, "nonfinite_streak": self.nonfinite_streak}
+
+    @classmethod
+    def from_record(cls, record: dict) -> "TrainState":
+        streak = record.get("nonfinite_streak", 0)  # checkpoints before it was recorded: none
+        if not (isinstance(streak, int) and not isinstance(streak, bool) and streak >= 0):
+            raise ValueError(f"nonfinite_streak {streak!r}: expected a non-negative integer")
+        return cls(step=record["step"] + 1, nonfinite_streak=streak)
+
+
+@dataclass(frozen=True)
+class RolloutBatch:
+    """One rollout as the updates read it: packed sequences, the response mask, what the rollout
+    recorded (log-probs, routing, DSA selections) and each token's group advantage; after
+    `GRPOTrainer.recompute`, also the trainer's old log-probs (and the reference's, with KL) and the
+    per-token comparisons with the rollout."""
+
+    completions: list
+    input_ids: torch.Tensor
+    packed: object
+    mask: torch.Tensor
+    rollout_logp: torch.Tensor
+    routing: dict
+    topk: dict
+    adv_tok: torch.Tensor
+    old_logp: torch.Tensor | None = None
+    ref_logp: torch.Tensor | None = None
+    abs_diff: torch.Tensor | None = None
+    rollout_kl: torch.Tensor | None = None
+    routing_differs: torch.Tensor | None = None
+    topk_kinds: tuple | None = None
+
+
 # ------------------------------------------------------------------ checkpoints (safetensors only)
 
-def _save_checkpoint(cfg, step: int, policy, optimizer, lora_names) -> Path:
+def _save_checkpoint(cfg, state: TrainState, policy, optimizer, lora_names) -> Path:
+    """The checkpoint after rollout `state.step - 1`: weights (or adapters), the optimizer's moments,
+    and state.json with the TrainState, the optimizer's param groups and the run's settings."""
     from glmkit.model import save_model
     from glmkit.rl.lora import adapter_state
 
+    step = state.step - 1
     root = Path(cfg.save)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"iter_{step:07d}"
@@ -155,11 +212,11 @@ def _save_checkpoint(cfg, step: int, policy, optimizer, lora_names) -> Path:
                       str(staging / "adapter.safetensors"))
         else:
             save_model(policy, staging / "model")
-        state = optimizer.state_dict()
-        tensors = {f"{i}.{k}": v.detach().cpu().contiguous() for i, s in state["state"].items()
+        moments = optimizer.state_dict()
+        tensors = {f"{i}.{k}": v.detach().cpu().contiguous() for i, s in moments["state"].items()
                    for k, v in s.items() if torch.is_tensor(v)}
         save_file(tensors, str(staging / "optimizer.safetensors"))
-        (staging / "state.json").write_text(json.dumps({"step": step, "param_groups": state["param_groups"],
+        (staging / "state.json").write_text(json.dumps({**state.to_record(), "param_groups": moments["param_groups"],
                                                         "lora": lora_names, "config": asdict(cfg)}, default=str))
         usual_modes(staging)  # safetensors creates its files 0600; a checkpoint gets the umask's modes
         record_entries(staging)  # what --overwrite may later remove: these names, nothing added since
@@ -480,11 +537,11 @@ class GRPOTrainer:
         self.optimizer = torch.optim.Adam(self.trainable, lr=cfg.lr)
         if dp is not None:  # LoRA's random init (and anything else) equal on every rank, as DDP starts
             dp.broadcast_parameters(self.trainable)  # rank 0's are the source: its rollout copy is current
-        self.start_step, self.nonfinite_streak = 0, 0
+        self.state = TrainState()
         if latest is not None:
-            self._resume(latest)
+            self.state = self._resume(latest)
         if cfg.resume and self.lead:
-            self.notes += _truncate_metrics(Path(cfg.metrics_out), self.start_step)
+            self.notes += _truncate_metrics(Path(cfg.metrics_out), self.state.step)
         self.stop_ids = [t for t in (self.tokenizer.eos_token_id,) if t is not None]
 
     @staticmethod
@@ -494,7 +551,13 @@ class GRPOTrainer:
         shared |= {id(b): b for b in model.buffers()}
         return copy.deepcopy(model, memo=shared)
 
-    def _resume(self, folder: Path):
+    @property
+    def start_step(self) -> int:
+        """The next rollout to run (0, or the one after a resumed checkpoint's)."""
+        return self.state.step
+
+    def _resume(self, folder: Path) -> TrainState:
+        """Weights and optimizer from `folder` -> the TrainState its state.json records."""
         from glmkit.checkpoint import open_checkpoint
 
         state = _read_state(folder)
@@ -508,7 +571,10 @@ class GRPOTrainer:
                 tensors[name].copy_(value)
         _restore_optimizer(self.optimizer, folder, state["param_groups"])
         self.sync()
-        self.start_step = state["step"] + 1
+        try:
+            return TrainState.from_record(state)
+        except ValueError as err:
+            raise ValueError(f"{folder / 'state.json'}: {err}; --resume cannot continue from it") from None
 
     def trainable_state(self) -> dict:
         """Every trainable tensor by name (the adapters only, with LoRA): what a sync sends."""
@@ -549,7 +615,7 @@ class GRPOTrainer:
         expanded = [s for s in prompts for _ in range(cfg.n_samples_per_prompt)]
         params = SamplingParams(cfg.rollout_temperature, cfg.rollout_top_p, cfg.rollout_max_response_len,
                                 self.stop_ids)
-        completions = self.rollout_side.generate([s.prompt_ids for s in expanded], params, cfg.seed * 100003 + step)
+        completions = self.rollout_side.generate([s.prompt_ids for s in expanded], params, rollout_seed(cfg, step))
         rewards = []
         for s, c in zip(expanded, completions):
             text = self.tokenizer.decode(c.tokens, skip_special_tokens=False)
@@ -560,11 +626,18 @@ class GRPOTrainer:
         return pack_completions(completions, self.policy.device)
 
     def step(self, step: int) -> list[dict]:
-        """One rollout and its optimizer steps -> the metric rows, as the recipe's framework logs them:
+        """Rollout `step` from the trainer's current state (see `advance`) -> its metric rows."""
+        rows, self.state = self.advance(replace(self.state, step=step))
+        return rows
+
+    def advance(self, state: TrainState) -> tuple[list[dict], TrainState]:
+        """Rollout `state.step` and its optimizer steps -> (the metric rows, the state for the next
+        rollout). The rows are as the recipe's framework logs them:
         one `train/*` row per optimizer step (`train/step` = rollout x steps per rollout + step id,
         each row's metrics over that step's samples), then one `rollout/*` + `perf/*` row
         (`rollout/step`). Every row also carries `step` (the rollout), for readers of either kind.
         The phases: rollout, batch building, log-prob recompute, updates, sync, rollout metrics."""
+        step = state.step
         t0 = time.time()
         samples, completions, rewards = self.rollout(step)
         t_rollout = time.time() - t0
@@ -575,28 +648,29 @@ class GRPOTrainer:
         if self.dp is not None:
             shares = [self.dp.share(ids) for ids in shares]
         kept = [i for ids in shares for i in ids]
-        batch = self.build_batch(completions, rewards, kept)
-        self.recompute(batch)
+        batch = self.recompute(self.build_batch(completions, rewards, kept))
         t1 = time.time()
         starts = [sum(map(len, shares[:mb])) for mb in range(minibatches)]
-        rows = [self.update(batch, step, mb, minibatches, list(range(start, start + len(ids))))
-                for mb, (start, ids) in enumerate(zip(starts, shares))]
+        rows, streak = [], state.nonfinite_streak
+        for mb, (start, ids) in enumerate(zip(starts, shares)):
+            row = self.update(batch, step, mb, minibatches, list(range(start, start + len(ids))))
+            streak = streak + 1 if row.get("train/step_skipped") else 0
+            rows.append(row)
         t_sync = time.time()
         self.sync()
         t_sync = time.time() - t_sync
         rows.append(self.rollout_metrics(step, completions, rewards, t0, t_rollout, time.time() - t1, t_sync))
-        return rows
+        return rows, TrainState(step=step + 1, nonfinite_streak=streak)
 
-    def build_batch(self, completions, rewards, kept: list) -> dict:
+    def build_batch(self, completions, rewards, kept: list) -> RolloutBatch:
         """Packed sequences and what the updates need from the rollout: response mask, rollout
         log-probs, routing and DSA selections (see _pack), per-token group advantages (over the
         whole rollout's groups); `kept`: the completions (indices) this rank trains on."""
         advantages = grpo.group_advantages(rewards, self.cfg.n_samples_per_prompt)
         completions, advantages = [completions[i] for i in kept], advantages[kept]
         input_ids, packed, mask, rollout_logp, routing, topk = self._pack(completions)
-        return {"completions": completions, "input_ids": input_ids, "packed": packed, "mask": mask,
-                "rollout_logp": rollout_logp, "routing": routing, "topk": topk,
-                "adv_tok": advantages[packed.seq_index.cpu()]}
+        return RolloutBatch(completions, input_ids, packed, mask, rollout_logp, routing, topk,
+                            advantages[packed.seq_index.cpu()])
 
     def _sum(self, on_device: dict, on_host: dict) -> dict:
         """Named 0-d tensors (on one device) and Python numbers, each summed over the ranks (itself in
@@ -610,41 +684,41 @@ class GRPOTrainer:
         return dict(zip([*on_device, *on_host], values.tolist()))
 
     @torch.no_grad()
-    def recompute(self, batch: dict):
+    def recompute(self, batch: RolloutBatch) -> RolloutBatch:
         """The trainer's "old" log-probs before the update (of softmax(logits / T), the distribution the
         rollout sampled from), the reference model's if KL is on, and the per-token comparisons with
-        the rollout: abs diff, KL, routing and top-k mismatches. Adds them to `batch`."""
+        the rollout: abs diff, KL, routing and top-k mismatches -> `batch` with them."""
         cfg = self.cfg
-        routing, topk = batch["routing"], batch["topk"]
+        routing, topk = batch.routing, batch.topk
         replay = routing if cfg.enable_r3 else None
         topk_replay = topk if cfg.use_rollout_indexer_replay else None
         scores = {}
-        old = self.train_path.forward(input_ids=batch["input_ids"], packed=batch["packed"], routing=replay,
+        old = self.train_path.forward(input_ids=batch.input_ids, packed=batch.packed, routing=replay,
                                       topk_replay=topk_replay, temperature=cfg.rollout_temperature,
                                       record_scores=bool(topk), record=lambda layer, site, v: scores.__setitem__(
                                           layer, v.cpu()) if site == "indexer_scores" else None)
         old_logp = old.logprobs.float().cpu()
-        batch["old_logp"] = old_logp
-        batch["ref_logp"] = (None if self.reference is None else
-                             type(self.train_path)(self.reference, cfg.backends)
-                             .forward(input_ids=batch["input_ids"], packed=batch["packed"], routing=replay,
-                                      topk_replay=topk_replay, temperature=cfg.rollout_temperature)
-                             .logprobs.float().cpu())
+        ref_logp = (None if self.reference is None else
+                    type(self.train_path)(self.reference, cfg.backends)
+                    .forward(input_ids=batch.input_ids, packed=batch.packed, routing=replay,
+                             topk_replay=topk_replay, temperature=cfg.rollout_temperature)
+                    .logprobs.float().cpu())
         # per token, once; each optimizer step's row reduces them over its own samples
-        batch["abs_diff"] = (old_logp - batch["rollout_logp"]).abs()
-        batch["rollout_kl"] = grpo.kl_estimate(batch["rollout_logp"], old_logp, "low_var_kl")
-        batch["routing_differs"] = sum(
-            (old.routing[layer].sort(-1).values.cpu() != routing[layer].sort(-1).values.cpu()).any(-1).long()
-            for layer in routing) if routing else None
-        batch["topk_kinds"] = topk_row_kinds(old.topk, topk, scores, batch["mask"], self.policy.config.index_kpool,
-                                             self.policy.dtype)
+        return replace(
+            batch, old_logp=old_logp, ref_logp=ref_logp, abs_diff=(old_logp - batch.rollout_logp).abs(),
+            rollout_kl=grpo.kl_estimate(batch.rollout_logp, old_logp, "low_var_kl"),
+            routing_differs=sum(
+                (old.routing[layer].sort(-1).values.cpu() != routing[layer].sort(-1).values.cpu()).any(-1).long()
+                for layer in routing) if routing else None,
+            topk_kinds=topk_row_kinds(old.topk, topk, scores, batch.mask, self.policy.config.index_kpool,
+                                      self.policy.dtype))
 
-    def update(self, batch: dict, step: int, mb: int, minibatches: int, ids: list) -> dict:
+    def update(self, batch: RolloutBatch, step: int, mb: int, minibatches: int, ids: list) -> dict:
         """Optimizer step `mb` of rollout `step` over its global_batch_size samples -> its train row.
         `ids`: this rank's samples of the step (all of them in one process), as indices into `batch`."""
         cfg = self.cfg
-        completions, packed = batch["completions"], batch["packed"]
-        routing, topk = batch["routing"], batch["topk"]
+        completions, packed = batch.completions, batch.packed
+        routing, topk = batch.routing, batch.topk
         sub_in, sub_packed, sub_mask, _, sub_routing, sub_topk = self._pack([completions[i] for i in ids])
         sub_rows = torch.cat([torch.arange(*packed.bounds()[i]) for i in ids])
         row = {"train/step": step * minibatches + mb, "rollout/step": step, "step": step}
@@ -658,15 +732,15 @@ class GRPOTrainer:
             total = grpo.sample_total(values, mask, sample_of, num)
             return total / present if present else total
 
-        on_host = {"train/train_rollout_logprob_abs_diff": share_of_mean(batch["abs_diff"][sub_rows], sub_mask,
+        on_host = {"train/train_rollout_logprob_abs_diff": share_of_mean(batch.abs_diff[sub_rows], sub_mask,
                                                                          sub_of_cpu).item(),
-                   "train/train_rollout_kl": share_of_mean(batch["rollout_kl"][sub_rows], sub_mask, sub_of_cpu).item()}
+                   "train/train_rollout_kl": share_of_mean(batch.rollout_kl[sub_rows], sub_mask, sub_of_cpu).item()}
         responses = int(sub_mask.sum())
-        if batch["routing_differs"] is not None:
-            on_host["routing_differs"] = batch["routing_differs"][sub_rows][sub_mask].sum().item()
+        if batch.routing_differs is not None:
+            on_host["routing_differs"] = batch.routing_differs[sub_rows][sub_mask].sum().item()
             on_host["routing_rows"] = responses * len(routing)
-        if batch["topk_kinds"] is not None:
-            differs, ties = (k[sub_rows][sub_mask].sum().item() for k in batch["topk_kinds"])
+        if batch.topk_kinds is not None:
+            differs, ties = (k[sub_rows][sub_mask].sum().item() for k in batch.topk_kinds)
             on_host.update(topk_differs=differs, topk_ties=ties, topk_rows=responses * len(topk))
         out = self.train_path.forward(input_ids=sub_in, packed=sub_packed, return_entropy=True,
                                       temperature=cfg.rollout_temperature,
@@ -674,9 +748,9 @@ class GRPOTrainer:
                                       topk_replay=sub_topk if cfg.use_rollout_indexer_replay else None)
         sub_of = sub_packed.seq_index
         m = sub_mask.to(out.logprobs.device)
-        old_logp = batch["old_logp"]
+        old_logp = batch.old_logp
         loss_tok, clipped, kl_tok = grpo.ppo_clip_loss(out.logprobs.float(), old_logp[sub_rows].to(m.device),
-                                                      batch["adv_tok"][sub_rows].to(m.device), cfg.eps_clip,
+                                                      batch.adv_tok[sub_rows].to(m.device), cfg.eps_clip,
                                                       cfg.eps_clip_high)
         pg_loss = share_of_mean(loss_tok, m, sub_of)
         entropy = share_of_mean(out.entropy, m, sub_of)  # of softmax(logits / T)
@@ -685,7 +759,7 @@ class GRPOTrainer:
                      "train/pg_clipfrac": share_of_mean(clipped, m, sub_of),
                      "train/ppo_kl": share_of_mean(kl_tok.detach(), m, sub_of)}
         if self.reference is not None:
-            kl = share_of_mean(grpo.kl_estimate(out.logprobs, batch["ref_logp"][sub_rows].to(m.device),
+            kl = share_of_mean(grpo.kl_estimate(out.logprobs, batch.ref_logp[sub_rows].to(m.device),
                                                 cfg.kl_loss_type), m, sub_of)
             loss = loss + cfg.kl_loss_coef * kl
             on_device.update({"train/kl_loss": kl, "total_loss": loss})
@@ -707,10 +781,8 @@ class GRPOTrainer:
         if math.isfinite(row["train/pg_loss"]) and math.isfinite(row["train/grad_norm"]) and \
                 math.isfinite(total_loss):
             self.optimizer.step()
-            self.nonfinite_streak = 0
         else:  # a NaN / Inf update would poison the weights and crash the next sampling
             self.optimizer.zero_grad(set_to_none=True)
-            self.nonfinite_streak += 1
             row["train/step_skipped"] = True
         return row
 
@@ -739,7 +811,7 @@ class GRPOTrainer:
         if self.lead:
             out.parent.mkdir(parents=True, exist_ok=True)
         history = []
-        steps = range(self.start_step, cfg.num_rollout)
+        steps = range(self.state.step, cfg.num_rollout)
         bar = tqdm(steps, desc="GRPO", unit="rollout", disable=not (cfg.progress and self.lead))
         # other data-parallel ranks compute the same rows and keep them; rank 0 alone writes them
         if self.lead and not is_glmkit_file(out):
@@ -755,7 +827,7 @@ class GRPOTrainer:
         # unbuffered bytes: each row is written whole or cut back (append_row), never left half a line
         with (out.open("ab", buffering=0) if self.lead else contextlib.nullcontext()) as stream:
             for step in bar:
-                rows = self.step(step)
+                rows, self.state = self.advance(self.state)
                 for row in rows:
                     row = json_row(row)
                     history.append(row)
@@ -770,10 +842,10 @@ class GRPOTrainer:
                 # --save without --save-interval: one checkpoint, after the last rollout
                 periodic = (step + 1) % cfg.save_interval == 0 if cfg.save_interval else step + 1 == cfg.num_rollout
                 if cfg.save and periodic and self.lead:
-                    _save_checkpoint(cfg, step, self.policy, self.optimizer, self.lora_names)
-                if self.nonfinite_streak >= cfg.max_nonfinite_steps:
-                    raise NonFiniteRun(f"stopped after rollout {step}: {self.nonfinite_streak} optimizer steps in a row "
-                                       f"had a NaN / Inf loss or gradient norm (each was skipped; see "
+                    _save_checkpoint(cfg, self.state, self.policy, self.optimizer, self.lora_names)
+                if self.state.nonfinite_streak >= cfg.max_nonfinite_steps:
+                    raise NonFiniteRun(f"stopped after rollout {step}: {self.state.nonfinite_streak} optimizer steps "
+                                       f"in a row had a NaN / Inf loss or gradient norm (each was skipped; see "
                                        f"train/step_skipped in {out})")
         return history
 
