@@ -50,7 +50,7 @@ def main(argv=None):
     from glmkit.config import variant_config
     from glmkit.kernels.backends import Backends
     from glmkit.model import cast_model
-    from glmkit.model.block import DecoderBlock, Run
+    from glmkit.model.block import Carry, DecoderBlock, Run
     from glmkit.model.packed import Packed
 
     dtype, device = torch.bfloat16, args.device
@@ -84,7 +84,8 @@ def main(argv=None):
                                    "layers": rows}, indent=1))
         os.replace(tmp, out)
 
-    rows, topk_train, topk_prefill = [], None, None
+    rows, carry_train, carry_prefill = [], Carry(), Carry()  # what each path hands its next layer
+    carry_steps = [Carry()] * args.decode
     start = time.perf_counter()
     for i in range(n_layers):
         t0 = time.perf_counter()
@@ -107,9 +108,8 @@ def main(argv=None):
 
         with torch.no_grad():
             t0 = time.perf_counter()
-            run = Run(backends, packed=packed, topk=topk_train, record=lambda l, s, v: keep(l, s, v, seen.setdefault("train", {})))
-            train = block(streams, run)
-            topk_train = run.topk if block.kind == "dsa" else topk_train
+            run = Run(backends, packed=packed, record=lambda l, s, v: keep(l, s, v, seen.setdefault("train", {})))
+            train, carry_train = block(streams, run, carry_train)
             sync()
             t_train = time.perf_counter() - t0
             t0 = time.perf_counter()
@@ -117,16 +117,14 @@ def main(argv=None):
             states[i] = (block.self_attn.empty_state(1, dtype, device) if block.kind == "kda"
                          else block.self_attn.empty_state(1, T, dtype, device))
             rolled = seen.setdefault("rollout", {})
-            run = Run(backends, packed=prompt, states=states, topk=topk_prefill,
-                      record=lambda l, s, v: keep(l, s, v, rolled))
-            outs = [block(streams[:P], run)]
-            step_topk = run.topk
-            topk_prefill = run.topk if block.kind == "dsa" else topk_prefill
+            run = Run(backends, packed=prompt, states=states, record=lambda l, s, v: keep(l, s, v, rolled))
+            piece, carry_prefill = block(streams[:P], run, carry_prefill)
+            outs = [piece]
             lengths = torch.tensor([P], device=device)
             for s in range(args.decode):
-                run = Run(backends, lengths=lengths, states=states, topk=step_topk,
-                          record=lambda l, s_, v: keep(l, s_, v, rolled))
-                outs.append(block(streams[P + s:P + s + 1], run))
+                run = Run(backends, lengths=lengths, states=states, record=lambda l, s_, v: keep(l, s_, v, rolled))
+                piece, carry_steps[s] = block(streams[P + s:P + s + 1], run, carry_steps[s])
+                outs.append(piece)
                 lengths = lengths + 1
             rollout = torch.cat(outs)
             sync()

@@ -19,13 +19,14 @@ from glmkit.model.norms import RMSNorm
 from glmkit.model.packed import Packed
 
 
-@dataclass
+@dataclass(frozen=True)
 class Run:
-    """What one forward needs besides the tokens: the kernel backends, the layout (packed sequences,
-    one decode step with cache lengths, or a prefill chunk continuing cache slots), the decode
-    cache, routing to replay, whether each block is recomputed in the backward (activation
-    checkpointing), and an optional
-    `record(layer, site, tensor)` observer that parity captures use (sites in glmkit.model.sites)."""
+    """What one forward needs besides the tokens, fixed for the whole forward: the kernel backends,
+    the layout (packed sequences, one decode step with cache lengths, or a prefill chunk continuing
+    cache slots), the decode caches (`states`, filled in place by the layers that own them), routing
+    and DSA selections to replay, whether each block is recomputed in the backward (activation
+    checkpointing), and an optional `record(layer, site, tensor)` observer that parity captures use
+    (sites in glmkit.model.sites). What passes from one layer to the next is a `Carry`."""
 
     backends: Backends = field(default_factory=Backends)
     packed: Packed | None = None
@@ -33,21 +34,31 @@ class Run:
     slots: torch.Tensor | None = None                 # a chunk: the cache slot of each packed sequence
     states: list | None = None
     record: Callable | None = None
-    topk: torch.Tensor | None = None
-    own_topk: torch.Tensor | None = None
-    own_scores: torch.Tensor | None = None
     routing: dict = field(default_factory=dict)
     recompute: bool = False
     topk_replay: dict = field(default_factory=dict)   # {DSA layer: ids [rows, W] as this run addresses keys}
     record_scores: bool = False                        # also emit indexer_scores / router_scores
 
     def __post_init__(self):
-        self.backends = Backends.parse(self.backends)
-        self.kda, self.dsa = self.backends.kda_ops(), self.backends.dsa_ops()
+        backends = Backends.parse(self.backends)
+        object.__setattr__(self, "backends", backends)
+        object.__setattr__(self, "kda", backends.kda_ops())
+        object.__setattr__(self, "dsa", backends.dsa_ops())
 
     def emit(self, layer: int, site: str, value):
         if self.record is not None:
             self.record(layer, site, value)
+
+
+@dataclass(frozen=True)
+class Carry:
+    """What a forward hands from one DSA layer to the next: the keys the last DSA layer attended over
+    (a shared-indexer layer attends over them again), and the last full indexer's own choice and
+    scores (the sites a shared layer reports, so a replayed run still shows its own choice)."""
+
+    topk: torch.Tensor | None = None
+    own_topk: torch.Tensor | None = None
+    own_scores: torch.Tensor | None = None
 
 
 class DecoderBlock(nn.Module):
@@ -76,12 +87,13 @@ class DecoderBlock(nn.Module):
                          getattr(self, f"hc_{site}_scale"), self.hc_iters, self.hc_eps, self.norm_eps,
                          norm.weight, norm.eps)
 
-    def forward(self, streams: torch.Tensor, run: Run) -> torch.Tensor:
-        """streams [T, n, D] (packed tokens, or one token per request when decoding) -> same shape."""
+    def forward(self, streams: torch.Tensor, run: Run, carry: Carry = Carry()) -> tuple[torch.Tensor, Carry]:
+        """streams [T, n, D] (packed tokens, or one token per request when decoding) -> (same shape, the
+        carry for the next layer)."""
         with fusing(run.backends.fuse):
-            return self._forward(streams, run)
+            return self._forward(streams, run, carry)
 
-    def _forward(self, streams: torch.Tensor, run: Run) -> torch.Tensor:
+    def _forward(self, streams: torch.Tensor, run: Run, carry: Carry) -> tuple[torch.Tensor, Carry]:
         L = self.layer
         x, pre, post, comb = self._enter("attn", streams, self.input_layernorm)
         run.emit(L, "attn_hc.pre", pre), run.emit(L, "attn_hc.post", post), run.emit(L, "attn_hc.comb", comb)
@@ -97,23 +109,25 @@ class DecoderBlock(nn.Module):
             else:
                 out = self.self_attn.forward_step(x, state, run.kda)
         else:
-            on_scores = (lambda s: setattr(run, "own_scores", s)) if run.record_scores else None
+            scored = []  # a full indexer's scores, when asked for
+            on_scores = scored.append if run.record_scores else None
             replay = run.topk_replay.get(L)
             if run.slots is not None:
                 out, used, own = self.self_attn.forward_chunk(x, run.packed, run.slots, run.lengths, state, run.dsa,
-                                                              run.topk, replay, on_scores)
+                                                              carry.topk, replay, on_scores)
             elif run.packed is not None:
-                out, used, own = self.self_attn.forward_packed(x, run.packed, run.dsa, run.topk, state, replay,
+                out, used, own = self.self_attn.forward_packed(x, run.packed, run.dsa, carry.topk, state, replay,
                                                                on_scores)
             else:
-                out, used, own = self.self_attn.forward_step(x, run.lengths, state, run.dsa, run.topk, replay,
+                out, used, own = self.self_attn.forward_step(x, run.lengths, state, run.dsa, carry.topk, replay,
                                                              on_scores)
             # the site reports this path's own choice (a shared indexer's is the layer's before it),
             # so a replayed run still shows where its indexer would have differed
-            run.topk, run.own_topk = used, own if own is not None else run.own_topk
+            carry = Carry(used, own if own is not None else carry.own_topk,
+                          scored[-1] if scored else carry.own_scores)
             if run.record_scores:  # a shared indexer's scores are those of the layer it shares
-                run.emit(L, "indexer_scores", run.own_scores)
-            run.emit(L, "indexer_topk", run.own_topk)
+                run.emit(L, "indexer_scores", carry.own_scores)
+            run.emit(L, "indexer_topk", carry.own_topk)
         run.emit(L, "attn_out", out)
         streams = mhc.leave(out, streams, post, comb)
         run.emit(L, "streams_after_attn", streams)
@@ -132,4 +146,4 @@ class DecoderBlock(nn.Module):
         run.emit(L, "mlp_out", out)
         streams = mhc.leave(out, streams, post, comb)
         run.emit(L, "streams_after_ffn", streams)
-        return streams
+        return streams, carry

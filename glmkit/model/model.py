@@ -4,11 +4,13 @@ without the `model.language_model.` prefix (lm_head keeps `lm_head.weight`)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from glmkit.model.block import DecoderBlock, Run
+from glmkit.model.block import Carry, DecoderBlock, Run
 from glmkit.model.norms import RMSNorm
 
 
@@ -41,12 +43,14 @@ class Glm5Model(nn.Module):
         """input_ids [T] (packed, or one per request when decoding) -> final hidden [T, D]."""
         x = self.embed_tokens(input_ids)
         streams = x.unsqueeze(-2).expand(*x.shape[:-1], self.config.hc_mult, x.shape[-1]).contiguous()
-        run.topk = run.own_topk = run.own_scores = None
+        carry = Carry()
         for block in self.layers:
             if run.recompute and torch.is_grad_enabled():
-                streams = checkpoint(_Recomputed(block, run), streams, use_reentrant=False)
+                recomputed = _Recomputed(block, run, carry)
+                streams = checkpoint(recomputed, streams, use_reentrant=False)
+                carry = recomputed.carry_out
             else:
-                streams = block(streams, run)
+                streams, carry = block(streams, run, carry)
         hidden = self.norm(streams.mean(-2))
         run.emit(None, "final_hidden", hidden)
         return hidden
@@ -70,20 +74,14 @@ def _fill_tied_head(module, state_dict, prefix, *args):
 
 
 class _Recomputed:
-    """One block under activation checkpointing. The backward runs it a second time; that run must
-    see the shared top-k the first run saw (run.topk has moved on by then) and records nothing."""
+    """One block under activation checkpointing: the forward keeps the carry it hands on; the
+    backward runs the block a second time from the same carry, recording nothing."""
 
-    def __init__(self, block: DecoderBlock, run: Run):
-        self.block, self.run, self.topk, self.done = block, run, run.topk, False
+    def __init__(self, block: DecoderBlock, run: Run, carry: Carry):
+        self.block, self.run, self.carry_in, self.carry_out = block, run, carry, None
 
     def __call__(self, streams):
-        if not self.done:  # the forward
-            self.done = True
-            return self.block(streams, self.run)
-        run = self.run
-        saved = run.topk, run.record
-        run.topk, run.record = self.topk, None
-        try:
-            return self.block(streams, run)
-        finally:
-            run.topk, run.record = saved
+        if self.carry_out is None:  # the forward
+            streams, self.carry_out = self.block(streams, self.run, self.carry_in)
+            return streams
+        return self.block(streams, replace(self.run, record=None), self.carry_in)[0]

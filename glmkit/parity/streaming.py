@@ -74,7 +74,7 @@ def _glmkit_block(config, i, tensors, dtype, device):
 def stream_parity(checkpoint, sequences, dtype=torch.float32, device="cpu", backends=None,
                   progress: bool = True) -> tuple[Capture, Capture]:
     """-> (reference capture, train capture), both marked mode "streaming"."""
-    from glmkit.model.block import Run
+    from glmkit.model.block import Carry, Run
 
     ckpt = open_checkpoint(checkpoint)
     config = ckpt.config
@@ -90,7 +90,7 @@ def stream_parity(checkpoint, sequences, dtype=torch.float32, device="cpu", back
     streams = embed[input_ids].unsqueeze(-2).expand(-1, config.hc_mult, -1).contiguous()
     del embed
     backends = Backends.parse(backends)
-    ref_topk, our_topk = [None] * packed.num_sequences, None
+    ref_topk, carry = [None] * packed.num_sequences, Carry()  # what each side hands its next layer
     for i in tqdm(range(config.num_hidden_layers), desc="streaming parity", unit="layer", disable=not progress):
         tensors = ckpt.layer(i, device=device)
         ref_layer = _reference_layer(config, i, tensors, dtype, device)
@@ -113,10 +113,9 @@ def stream_parity(checkpoint, sequences, dtype=torch.float32, device="cpu", back
             for h in hooks:
                 h.remove()
         # glmkit's block on the same input streams
-        run = Run(backends, packed=packed, topk=our_topk, record_scores=True,
+        run = Run(backends, packed=packed, record_scores=True,
                   record=lambda layer, site, v: ours_sink.put(layer, site, _local(v, packed) if site == "indexer_topk" else v))
-        block(streams, run)
-        our_topk = run.topk
+        _, carry = block(streams, run, carry)
         streams = torch.cat(outs)  # teacher forcing: the reference's output feeds the next layer
         del ref_layer, block
     norm_w = ckpt.get(FINAL_NORM, dtype=dtype, device=device)
