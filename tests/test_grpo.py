@@ -49,3 +49,79 @@ def test_sample_mean_is_mean_of_per_sample_means():
     mask = torch.tensor([True, True, True, False, True])
     sample_of = torch.tensor([0, 0, 0, 1, 1])
     assert grpo.sample_mean(values, mask, sample_of, 2).item() == pytest.approx(((1 + 3 + 10) / 3 + 4) / 2)
+
+
+# ---------------------------------------------------------------- the launchers' settings (issue 35)
+# Each against a hand computation from the framework's formula (miles 31f1ca961: loss_hub/math_utils.py
+# compute_policy_loss and compute_ess_ratio_contribution, loss_hub/corrections.py vanilla_tis_function,
+# cp_utils.get_sum_of_sample_mean; Megatron's OptimizerParamScheduler and param groups).
+
+def test_dual_clip_bounds_the_loss_of_negative_advantages():
+    logp = torch.log(torch.tensor([5.0, 5.0, 1.1, 0.5]))
+    old = torch.zeros(4)
+    adv = torch.tensor([-1.0, 1.0, -2.0, -1.0])
+    loss, _, _ = grpo.ppo_clip_loss(logp, old, adv, 0.2, 0.28, eps_clip_c=3.0)
+    # ratio 5, A=-1: PPO max(5, 1.28) = 5, dual clip min(5, 3) = 3; A>0 untouched: -min(5, 1.28) = -1.28
+    # ratio 1.1, A=-2: max(2.2, 2.2) = 2.2 < 3 * 2 = 6 stays; ratio 0.5, A=-1: max(0.5, 0.8) = 0.8
+    assert loss.tolist() == pytest.approx([3.0, -1.28, 2.2, 0.8], abs=1e-6)
+    plain, _, _ = grpo.ppo_clip_loss(logp, old, adv, 0.2, 0.28)
+    assert plain[0].item() == pytest.approx(5.0)
+
+
+def test_tis_weights_clamp_the_trainer_rollout_ratio():
+    old = torch.log(torch.tensor([1.0, 3.0, 0.5, 1.5]))
+    rollout = torch.zeros(4)
+    ratio, weight, clipped = grpo.tis_weights(old, rollout, clip=2.0, clip_low=0.6)
+    assert ratio.tolist() == pytest.approx([1.0, 3.0, 0.5, 1.5])
+    assert weight.tolist() == pytest.approx([1.0, 2.0, 0.6, 1.5])
+    assert clipped.tolist() == [0.0, 1.0, 1.0, 0.0]
+
+
+def test_ess_ratio_of_each_sample():
+    # sample 0: weights 1, 1 -> (2)^2 / (2 * 2) = 1; sample 1: weights 2, 0.5, 1 (masked last) over 2 tokens:
+    # (2.5)^2 / (2 * 4.25) = 0.7353
+    log_ratio = torch.log(torch.tensor([1.0, 1.0, 2.0, 0.5, 1.0]))
+    mask = torch.tensor([1, 1, 1, 1, 0])
+    sample_of = torch.tensor([0, 0, 1, 1, 1])
+    ess, n = grpo.ess_ratio_per_sample(log_ratio, mask, sample_of, 2)
+    assert ess.tolist() == pytest.approx([1.0, 2.5 ** 2 / (2 * 4.25)]) and n.tolist() == [2.0, 2.0]
+
+
+def test_megatron_schedule_with_warmup_and_each_decay_style():
+    lr, min_lr = 1e-3, 1e-4
+    assert grpo.scheduled_lr(0, lr, "constant") == lr and grpo.scheduled_lr(99, lr, "constant") == lr
+    # warmup over 4 steps from 0: step 0 runs at 0, step 2 at half, step 4 at the full lr
+    assert [grpo.scheduled_lr(s, lr, "constant", warmup=4) for s in (0, 2, 4, 5)] == pytest.approx([0, 5e-4, lr, lr])
+    # linear from step 4 to 14: at step 9 half way between lr and min_lr; past 14: min_lr
+    assert grpo.scheduled_lr(9, lr, "linear", 4, 14, min_lr) == pytest.approx(min_lr + 0.5 * (lr - min_lr))
+    assert grpo.scheduled_lr(15, lr, "linear", 4, 14, min_lr) == min_lr
+    # cosine: 0.5 (cos(pi r) + 1); at r = 1/4 that is 0.8536
+    coeff = 0.5 * (math.cos(math.pi * 0.25) + 1)
+    assert grpo.scheduled_lr(6, lr, "cosine", 4, 12, min_lr) == pytest.approx(min_lr + coeff * (lr - min_lr))
+    with pytest.raises(ValueError, match="allowed: constant, linear, cosine"):
+        grpo.scheduled_lr(1, lr, "step", 0, 10)
+
+
+def test_adam_with_decoupled_weight_decay_on_matrices_only():
+    """One step of the trainer's optimizer against AdamW written out: m = (1-b1) g, v = (1-b2) g^2,
+    p -= lr (m / (1-b1)) / (sqrt(v / (1-b2)) + eps) + lr wd p on matrices; biases and 1-D parameters
+    get no weight decay (Megatron's rule)."""
+    from glmkit.rl.loop import TrainConfig, build_optimizer
+
+    model = torch.nn.Linear(3, 2)
+    model.register_parameter("scale", torch.nn.Parameter(torch.ones(2)))
+    cfg = TrainConfig(lr=0.1, adam_beta1=0.9, adam_beta2=0.98, adam_eps=1e-8, weight_decay=0.1)
+    opt = build_optimizer(cfg, model)
+    assert [len(g["params"]) for g in opt.param_groups] == [1, 2]
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    grads = {n: torch.randn_like(p) for n, p in model.named_parameters()}
+    for n, p in model.named_parameters():
+        p.grad = grads[n].clone()
+    opt.step()
+    for n, p in model.named_parameters():
+        g, w = grads[n], before[n]
+        m_hat, v_hat = (0.1 * g) / 0.1, (0.02 * g * g) / 0.02
+        wd = 0.1 if n == "weight" else 0.0
+        want = w * (1 - 0.1 * wd) - 0.1 * m_hat / (v_hat.sqrt() + 1e-8)
+        assert torch.allclose(p.detach(), want, atol=1e-6), n

@@ -329,3 +329,38 @@ def test_the_run_config_is_fixed_and_the_step_state_is_a_value_checkpoints_carry
     state_file.write_text(json.dumps({**recorded, "nonfinite_streak": "x"}))
     with pytest.raises(ValueError, match=r"state.json: nonfinite_streak 'x': expected a non-negative integer"):
         GRPOTrainer(dataclasses.replace(cfg, num_rollout=3, resume=True))
+
+
+def test_per_token_loss_tis_dual_clip_and_the_frameworks_metric_names(tmp_path):
+    """Issue 35: --calculate-per-token-loss makes the loss a mean over the step's tokens. At the first
+    optimizer step the policy is the one that rolled out (ratio 1), so pg_loss = -sum_i A_i n_i / sum_i n_i
+    over samples i with n_i response tokens, where the default sample mean gives -mean_i A_i = 0 (the
+    group advantages have zero mean). The row carries the framework's names: train/loss, train/ess_ratio
+    (1 on policy), train/lr-pg_N, and with --use-tis train/tis, tis_clipfrac, tis_abs, ois."""
+    from glmkit.rl import grpo
+
+    kw = dict(num_rollout=1, rollout_batch_size=4, global_batch_size=32)
+    probe = GRPOTrainer(tiny(tmp_path / "probe", **kw))
+    _, completions, rewards = probe.rollout(0)  # what the runs below roll out first: same weights, same seed
+    probe.release()
+    adv = grpo.group_advantages(rewards, 8)
+    n = torch.tensor([max(1, len(c.tokens)) for c in completions], dtype=torch.float32)
+    per_token = GRPOTrainer(tiny(tmp_path / "tok", calculate_per_token_loss=True, use_tis=True, eps_clip_c=3.0,
+                                 **kw))
+    row = train_rows(per_token.step(0))[0]
+    per_token.release()
+    assert row["train/pg_loss"] == pytest.approx(-(adv * n).sum().item() / n.sum().item(), abs=1e-5)
+    assert row["train/loss"] == pytest.approx(row["train/pg_loss"], abs=1e-7)  # no entropy, no KL term
+    assert row["train/ess_ratio"] == pytest.approx(1.0, abs=1e-5) and row["train/ois"] == pytest.approx(1.0, abs=1e-5)
+    assert row["train/lr-pg_0"] == row["train/lr-pg_1"] == 4e-4  # the tiny preset's lr, constant
+    assert {"train/tis", "train/tis_clipfrac", "train/tis_abs"} <= set(row) and 0 <= row["train/tis_clipfrac"] <= 1
+    assert row["train/entropy_loss"] == 0.0  # not computed at --entropy-coef 0, as the framework logs it
+    sample = GRPOTrainer(tiny(tmp_path / "sample", observe_training_entropy=True, **kw))
+    plain = train_rows(sample.step(0))[0]
+    sample.release()
+    assert plain["train/pg_loss"] == pytest.approx(0.0, abs=1e-5) and "train/tis" not in plain
+    assert plain["train/entropy_loss"] > 0
+    with pytest.raises(ValueError, match="--eps-clip-c must be > 1"):
+        tiny(tmp_path, eps_clip_c=0.5).resolved()
+    lora = tiny(tmp_path, lora_rank=4).resolved()
+    assert lora.calculate_per_token_loss and (lora.adam_beta2, lora.weight_decay) == (0.98, 0.1)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 import os
 import sys
 
@@ -122,7 +124,33 @@ def add_commands(sub) -> None:
         p.add_argument("--eps-clip-high", type=_finite, default=0.28)
         p.add_argument("--kl-loss-coef", type=_finite, default=0.0)
         p.add_argument("--kl-loss-type", default="low_var_kl", choices=["k1", "k2", "k3", "low_var_kl"])
+        p.add_argument("--eps-clip-c", type=_finite, help="dual-clip PPO: the loss of a negative-advantage token is at "
+                                                          "most eps_clip_c x |A| (> 1; default off)")
         p.add_argument("--entropy-coef", type=_finite, default=0.0)
+        p.add_argument("--observe-training-entropy", action="store_true",
+                       help="compute and log train/entropy_loss at --entropy-coef 0 (the framework logs 0 then)")
+        # the optimizer and its schedule, by the framework's (Megatron's) names; default: the launchers'
+        p.add_argument("--adam-beta1", type=_finite, help="default 0.9 (the launchers')")
+        p.add_argument("--adam-beta2", type=_finite, help="default 0.98 (the launchers'; Megatron's own 0.999)")
+        p.add_argument("--adam-eps", type=_finite, default=1e-8)
+        p.add_argument("--weight-decay", type=_finite,
+                       help="decoupled, not on biases or 1-D parameters; default 0.1 (the launchers')")
+        p.add_argument("--clip-grad", type=_finite, default=1.0, help="gradient norm clip")
+        p.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"],
+                       help="default constant (the launchers')")
+        p.add_argument("--lr-warmup-iters", type=_integer, default=0, help="optimizer steps of linear warmup from 0")
+        p.add_argument("--lr-decay-iters", type=_integer,
+                       help="linear / cosine: optimizer steps to reach --min-lr (default: the whole run)")
+        p.add_argument("--min-lr", type=_finite, default=0.0)
+        p.add_argument("--calculate-per-token-loss", action=argparse.BooleanOptionalAction, default=None,
+                       help="loss and metrics as means over the step's tokens, not over its samples' token means "
+                            "(default: on with LoRA, as its launcher sets it)")
+        p.add_argument("--use-tis", action="store_true",
+                       help="truncated importance sampling: weight each token's loss by exp(train - rollout "
+                            "log-prob) clamped to [--tis-clip-low, --tis-clip]; logs train/tis, tis_clipfrac, "
+                            "tis_abs, ois")
+        p.add_argument("--tis-clip", type=_finite, default=2.0)
+        p.add_argument("--tis-clip-low", type=_finite, default=0.0)
         p.add_argument("--enable-r3", action="store_true", help="routing replay: the trainer uses the rollout's experts")
         p.add_argument("--use-rollout-indexer-replay", action="store_true",
                        help="DSA top-k replay: the trainer attends over the positions the rollout selected")

@@ -3,9 +3,12 @@ mean over samples of each sample's token mean)."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
+LR_DECAY_STYLES = ("constant", "linear", "cosine")
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -56,12 +59,57 @@ def samples_present(mask: torch.Tensor, sample_of: torch.Tensor, num_samples: in
     return int((counts > 0).sum())
 
 
-def ppo_clip_loss(logp, old_logp, advantages, eps_clip: float = 0.2, eps_clip_high: float = 0.28):
+def ppo_clip_loss(logp, old_logp, advantages, eps_clip: float = 0.2, eps_clip_high: float = 0.28,
+                  eps_clip_c: float | None = None):
     """Per-token PPO-clip loss, clipped indicator and log-ratio (for ppo_kl = mean(old - new)).
-    ratio = exp(clamp(logp - old, -20, 20)); loss = max(-ratio A, -clamp(ratio, 1-eps, 1+eps_high) A)."""
+    ratio = exp(clamp(logp - old, -20, 20)); loss = max(-ratio A, -clamp(ratio, 1-eps, 1+eps_high) A).
+    `eps_clip_c` (dual-clip PPO, > 1): where A < 0 the loss is at most -eps_clip_c A."""
     log_ratio = (logp - old_logp).clamp(-20, 20)
     ratio = log_ratio.exp()
     unclipped = -ratio * advantages
     clipped = -ratio.clamp(1 - eps_clip, 1 + eps_clip_high) * advantages
     loss = torch.maximum(unclipped, clipped)
+    if eps_clip_c is not None:
+        loss = torch.where(advantages < 0, torch.minimum(loss, -eps_clip_c * advantages), loss)
     return loss, (clipped > unclipped).float(), old_logp - logp
+
+
+def tis_weights(old_logp, rollout_logp, clip: float, clip_low: float = 0.0):
+    """Truncated importance sampling (the framework's `--use-tis`): per token the trainer/rollout ratio
+    exp(old - rollout), its weight clamp(ratio, clip_low, clip), and whether the clamp moved it.
+    -> (ratio, weight, clipped)."""
+    ratio = torch.exp(old_logp.float() - rollout_logp.float())
+    weight = ratio.clamp(min=clip_low, max=clip)
+    return ratio, weight, (weight != ratio).float()
+
+
+def ess_ratio_per_sample(log_ratio, mask, sample_of, num_samples: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Effective sample size ratio of each sample's importance weights w = exp(logp - old) over its
+    masked tokens: (sum w)^2 / (n sum w^2), 1 on policy; and each sample's token count n (at least 1).
+    `log_ratio` = logp - old_logp (clamped to +-20 as the ratio is)."""
+    w = log_ratio.detach().float().clamp(-20, 20).exp() * mask.float()
+    zeros = torch.zeros(num_samples, dtype=torch.float32, device=w.device)
+    sum_w, sum_w2 = zeros.index_add(0, sample_of, w), zeros.index_add(0, sample_of, w * w)
+    n = zeros.index_add(0, sample_of, mask.float()).clamp(min=1)
+    return sum_w * sum_w / (n * sum_w2.clamp(min=1e-8)), n
+
+
+def scheduled_lr(step: int, lr: float, style: str, warmup: int = 0, decay_steps: int | None = None,
+                 min_lr: float = 0.0) -> float:
+    """The learning rate of optimizer step `step` (0 = the first), as Megatron's scheduler gives it:
+    a linear warmup from 0 over `warmup` steps (step 0 of a warmup runs at lr 0), then `constant`, or
+    a `linear` / `cosine` decay to `min_lr` at `decay_steps` (min_lr after it)."""
+    if warmup > 0 and step <= warmup:
+        return lr * step / warmup
+    if style == "constant":
+        return lr
+    if decay_steps is None or step > decay_steps:
+        return min_lr
+    ratio = (step - warmup) / max(1, decay_steps - warmup)
+    if style == "linear":
+        coeff = 1.0 - ratio
+    elif style == "cosine":
+        coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
+    else:
+        raise ValueError(f"unknown --lr-decay-style {style!r}; allowed: {', '.join(LR_DECAY_STYLES)}")
+    return min_lr + coeff * (lr - min_lr)

@@ -31,6 +31,12 @@ from glmkit.rl.lora import DEFAULT_EXCLUDE
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 
+# The optimizer as both GLM-5.3-Flash launchers set it (scripts/run_glm5_3_flash.py and _lora.py:
+# `--optimizer adam --lr-decay-style constant --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.98`);
+# Megatron's own defaults differ (beta2 0.999, weight decay 0.01, linear decay). The LoRA launcher also
+# passes `--calculate-per-token-loss` (see TrainConfig.resolved).
+LAUNCHER_OPTIMIZER = dict(adam_beta1=0.9, adam_beta2=0.98, weight_decay=0.1, lr_decay_style="constant")
+
 # Per --model-name defaults; anything given on the command line wins.
 PRESETS = {
     # The tiny preset learns synthetic arithmetic from a briefly pre-trained start. It differs from the
@@ -42,9 +48,10 @@ PRESETS = {
     # first 3 by 0.42 (0.458 -> 0.880, seed 0, 2 CPU cores).
     "tiny": dict(checkpoint=str(ASSETS / "tiny_start"), prompt_data=str(ASSETS / "arith" / "train.jsonl"),
                  tokenizer=str(ASSETS / "tiny_tokenizer"), lr=4e-4, rollout_max_response_len=12,
-                 rollout_batch_size=16, global_batch_size=32, prompt_pool=32),
+                 rollout_batch_size=16, global_batch_size=32, prompt_pool=32, **LAUNCHER_OPTIMIZER),
     "GLM-5.3-Flash-4layer": dict(prompt_data="/root/datasets/dapo-math-17k/dapo-math-17k.jsonl", lr=1e-6,
-                                 rollout_max_response_len=4096, rollout_batch_size=8, global_batch_size=64),
+                                 rollout_max_response_len=4096, rollout_batch_size=8, global_batch_size=64,
+                                 **LAUNCHER_OPTIMIZER),
 }
 
 
@@ -73,10 +80,25 @@ class TrainConfig:
     lr: float | None = None
     eps_clip: float = 0.2
     eps_clip_high: float = 0.28
+    eps_clip_c: float | None = None         # dual-clip PPO (> 1); None: off
     kl_loss_coef: float = 0.0
     kl_loss_type: str = "low_var_kl"
     entropy_coef: float = 0.0
+    observe_training_entropy: bool = False  # log the entropy at entropy_coef 0 (the framework logs 0 then)
     clip_grad: float = 1.0
+    # Adam (decoupled weight decay, none on biases and 1-D parameters: Megatron's rule); None: the preset's
+    adam_beta1: float | None = None
+    adam_beta2: float | None = None
+    adam_eps: float = 1e-8
+    weight_decay: float | None = None
+    lr_decay_style: str | None = None       # constant, linear or cosine (Megatron's scheduler)
+    lr_warmup_iters: int = 0                # optimizer steps of linear warmup from 0
+    lr_decay_iters: int | None = None       # linear / cosine: steps to reach min_lr (default: the whole run)
+    min_lr: float = 0.0
+    calculate_per_token_loss: bool | None = None  # None: on with LoRA (its launcher's), else off
+    use_tis: bool = False                   # truncated importance sampling of the trainer/rollout ratio
+    tis_clip: float = 2.0
+    tis_clip_low: float = 0.0
     enable_r3: bool = False
     use_rollout_indexer_replay: bool = False
     max_nonfinite_steps: int = 3
@@ -103,6 +125,8 @@ class TrainConfig:
             raise ValueError(f"unknown --model-name {self.model_name!r}; allowed: {', '.join(PRESETS)}")
         cfg = replace(self, **{key: value for key, value in PRESETS[self.model_name].items()
                                if getattr(self, key) is None})
+        if cfg.calculate_per_token_loss is None:
+            cfg = replace(cfg, calculate_per_token_loss=bool(cfg.lora_rank))
         if cfg.checkpoint is None:
             raise ValueError(f"--model-name {cfg.model_name} needs --checkpoint (an HF checkpoint directory)")
         total = cfg.rollout_batch_size * cfg.n_samples_per_prompt
@@ -135,6 +159,26 @@ class TrainConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be a finite number, got {getattr(cfg, name)}")
         if cfg.lr <= 0:
             raise ValueError(f"--lr must be > 0, got {cfg.lr}")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(cfg, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(cfg, name)}")
+        for name in ("adam_eps", "weight_decay", "min_lr", "clip_grad", "tis_clip", "tis_clip_low",
+                     "lr_warmup_iters"):
+            value = getattr(cfg, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"--{name.replace('_', '-')} must be a finite number >= 0, got {value}")
+        if cfg.adam_eps <= 0:
+            raise ValueError(f"--adam-eps must be > 0, got {cfg.adam_eps}")
+        if cfg.lr_decay_style not in grpo.LR_DECAY_STYLES:
+            raise ValueError(f"--lr-decay-style {cfg.lr_decay_style!r}; allowed: {', '.join(grpo.LR_DECAY_STYLES)}")
+        if cfg.lr_decay_iters is not None and cfg.lr_decay_iters < 1:
+            raise ValueError(f"--lr-decay-iters must be >= 1, got {cfg.lr_decay_iters}")
+        if cfg.min_lr > cfg.lr:
+            raise ValueError(f"--min-lr {cfg.min_lr} is above --lr {cfg.lr}")
+        if cfg.eps_clip_c is not None and not (math.isfinite(cfg.eps_clip_c) and cfg.eps_clip_c > 1):
+            raise ValueError(f"--eps-clip-c must be > 1 (the lower bound of dual-clip PPO), got {cfg.eps_clip_c}")
+        if cfg.tis_clip_low > cfg.tis_clip:
+            raise ValueError(f"--tis-clip-low {cfg.tis_clip_low} is above --tis-clip {cfg.tis_clip}")
         if not 0 < cfg.rollout_top_p <= 1:
             raise ValueError(f"--rollout-top-p must be in (0, 1], got {cfg.rollout_top_p}")
         return cfg
@@ -397,6 +441,19 @@ def _truncate_metrics(path: Path, start_step: int) -> list[str]:
             f"{path} to {side}"]
 
 
+def build_optimizer(cfg: TrainConfig, model) -> torch.optim.Optimizer:
+    """Adam with decoupled weight decay over the trainable parameters, as Megatron builds it: group 0
+    decays (matrices), group 1 does not (biases and 1-D parameters: norms, mHC scales); empty groups
+    are left out. Each group's lr is set per optimizer step from the schedule (see GRPOTrainer.update)."""
+    decay, plain = [], []
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            (plain if name.endswith(".bias") or param.dim() == 1 else decay).append(param)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": plain, "weight_decay": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                             eps=cfg.adam_eps)
+
+
 def _restore_optimizer(optimizer, folder: Path, param_groups):
     tensors = load_file(str(folder / "optimizer.safetensors"))
     state = {}
@@ -534,7 +591,9 @@ class GRPOTrainer:
         self.train_path = TrainPath(self.policy, cfg.backends)
         self.reference = self._copy_trainable(self.policy).eval() if cfg.kl_loss_coef else None
         self.trainable = [p for p in self.policy.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.Adam(self.trainable, lr=cfg.lr)
+        self.optimizer = build_optimizer(cfg, self.policy)
+        self.total_optimizer_steps = cfg.num_rollout * (cfg.rollout_batch_size * cfg.n_samples_per_prompt
+                                                        // cfg.global_batch_size)
         if dp is not None:  # LoRA's random init (and anything else) equal on every rank, as DDP starts
             dp.broadcast_parameters(self.trainable)  # rank 0's are the source: its rollout copy is current
         self.state = TrainState()
@@ -724,11 +783,19 @@ class GRPOTrainer:
         row = {"train/step": step * minibatches + mb, "rollout/step": step, "step": step}
         sub_of_cpu = sub_packed.seq_index.cpu()
         num = len(ids)
-        # every loss term and metric is a mean over the step's samples of each sample's token mean: this
-        # rank adds its samples' means and divides by the samples (with a response token) of all ranks
-        present = self._sum({}, {"present": grpo.samples_present(sub_mask, sub_of_cpu, num)})["present"]
+        # every loss term and metric is a mean over the step's samples of each sample's token mean (this
+        # rank adds its samples' means and divides by the samples with a response token of all ranks), or
+        # with --calculate-per-token-loss a mean over the step's tokens (each sample counts at least 1,
+        # as the framework's token count does)
+        per_token = cfg.calculate_per_token_loss
+        tokens_of = torch.zeros(num).index_add(0, sub_of_cpu, sub_mask.float()).clamp(min=1)
+        counts = self._sum({}, {"present": grpo.samples_present(sub_mask, sub_of_cpu, num),
+                                "tokens": tokens_of.sum().item()})
+        present, tokens = counts["present"], counts["tokens"]
 
         def share_of_mean(values, mask, sample_of):
+            if per_token:
+                return (values.float() * mask.float()).sum() / tokens
             total = grpo.sample_total(values, mask, sample_of, num)
             return total / present if present else total
 
@@ -742,7 +809,9 @@ class GRPOTrainer:
         if batch.topk_kinds is not None:
             differs, ties = (k[sub_rows][sub_mask].sum().item() for k in batch.topk_kinds)
             on_host.update(topk_differs=differs, topk_ties=ties, topk_rows=responses * len(topk))
-        out = self.train_path.forward(input_ids=sub_in, packed=sub_packed, return_entropy=True,
+        # the entropy is computed where it is used or asked for; the framework logs 0 otherwise
+        with_entropy = cfg.entropy_coef != 0 or cfg.observe_training_entropy
+        out = self.train_path.forward(input_ids=sub_in, packed=sub_packed, return_entropy=with_entropy,
                                       temperature=cfg.rollout_temperature,
                                       routing=sub_routing if cfg.enable_r3 else None,
                                       topk_replay=sub_topk if cfg.use_rollout_indexer_replay else None)
@@ -751,25 +820,39 @@ class GRPOTrainer:
         old_logp = batch.old_logp
         loss_tok, clipped, kl_tok = grpo.ppo_clip_loss(out.logprobs.float(), old_logp[sub_rows].to(m.device),
                                                       batch.adv_tok[sub_rows].to(m.device), cfg.eps_clip,
-                                                      cfg.eps_clip_high)
+                                                      cfg.eps_clip_high, cfg.eps_clip_c)
+        on_device = {}
+        if cfg.use_tis:  # weights on the trainer/rollout ratio, metrics on the ratio before the clamp
+            ratio, weight, tis_clipped = grpo.tis_weights(old_logp[sub_rows], batch.rollout_logp[sub_rows],
+                                                          cfg.tis_clip, cfg.tis_clip_low)
+            loss_tok = loss_tok * weight.to(m.device)
+            on_device.update({"train/ois": share_of_mean((-kl_tok.detach()).exp(), m, sub_of),
+                              "train/tis": share_of_mean(ratio.to(m.device), m, sub_of),
+                              "train/tis_clipfrac": share_of_mean(tis_clipped.to(m.device), m, sub_of),
+                              "train/tis_abs": share_of_mean((ratio - 1).abs().to(m.device), m, sub_of)})
         pg_loss = share_of_mean(loss_tok, m, sub_of)
-        entropy = share_of_mean(out.entropy, m, sub_of)  # of softmax(logits / T)
-        loss = pg_loss - cfg.entropy_coef * entropy
-        on_device = {"train/pg_loss": pg_loss, "total_loss": loss, "train/entropy_loss": entropy,
-                     "train/pg_clipfrac": share_of_mean(clipped, m, sub_of),
-                     "train/ppo_kl": share_of_mean(kl_tok.detach(), m, sub_of)}
+        loss = pg_loss
+        entropy = torch.zeros((), device=m.device)
+        if with_entropy:
+            entropy = share_of_mean(out.entropy, m, sub_of)  # of softmax(logits / T)
+            loss = pg_loss - cfg.entropy_coef * entropy if cfg.entropy_coef else pg_loss
+        ess, n_tok = grpo.ess_ratio_per_sample(-kl_tok, m, sub_of, num)
+        ess_share = (ess * n_tok).sum() / tokens if per_token else ess.sum() / max(1, present)
+        on_device.update({"train/pg_loss": pg_loss, "train/loss": loss, "train/entropy_loss": entropy.detach(),
+                          "train/pg_clipfrac": share_of_mean(clipped, m, sub_of),
+                          "train/ppo_kl": share_of_mean(kl_tok.detach(), m, sub_of), "train/ess_ratio": ess_share})
         if self.reference is not None:
             kl = share_of_mean(grpo.kl_estimate(out.logprobs, batch.ref_logp[sub_rows].to(m.device),
                                                 cfg.kl_loss_type), m, sub_of)
             loss = loss + cfg.kl_loss_coef * kl
-            on_device.update({"train/kl_loss": kl, "total_loss": loss})
+            on_device.update({"train/kl_loss": kl, "train/loss": loss})
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         if self.dp is not None:
             self.dp.sum_gradients(self.trainable)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, cfg.clip_grad)
-        sums = self._sum(on_device, on_host)  # every metric: one reduce
-        total_loss = sums.pop("total_loss")
+        sums = self._sum({k: v.detach() for k, v in on_device.items()}, on_host)  # every metric: one reduce
+        total_loss = sums["train/loss"]
         if "routing_rows" in sums:
             sums["train/routing_mismatch_frac"] = sums.pop("routing_differs") / max(1, sums.pop("routing_rows"))
         if "topk_rows" in sums:
@@ -778,6 +861,11 @@ class GRPOTrainer:
             sums["train/topk_tie_frac"] = sums.pop("topk_ties") / rows_all
         row.update(sums)
         row["train/grad_norm"] = grad_norm.item()
+        lr = grpo.scheduled_lr(row["train/step"], cfg.lr, cfg.lr_decay_style, cfg.lr_warmup_iters,
+                               cfg.lr_decay_iters or self.total_optimizer_steps, cfg.min_lr)
+        for i, group in enumerate(self.optimizer.param_groups):
+            group["lr"] = lr
+            row[f"train/lr-pg_{i}"] = lr
         if math.isfinite(row["train/pg_loss"]) and math.isfinite(row["train/grad_norm"]) and \
                 math.isfinite(total_loss):
             self.optimizer.step()
