@@ -125,3 +125,17 @@ def test_adam_with_decoupled_weight_decay_on_matrices_only():
         wd = 0.1 if n == "weight" else 0.0
         want = w * (1 - 0.1 * wd) - 0.1 * m_hat / (v_hat.sqrt() + 1e-8)
         assert torch.allclose(p.detach(), want, atol=1e-6), n
+
+
+def test_the_frameworks_rollout_statistics():
+    """zero_std, response_len and repetition as the framework's rollout manager defines them
+    (miles/ray/rollout/metrics.py, utils/metric_utils.py at 31f1ca961)."""
+    rewards = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.5, 0.5, 0.5, 0.5])
+    assert grpo.zero_std_groups(rewards, 4) == {"zero_std/count_1.0": 1, "zero_std/count_0.0": 1,
+                                                "zero_std/count_0.5": 1, "zero_std/all_zero_percentage": 0.25,
+                                                "zero_std/all_one_percentage": 0.25}
+    assert grpo.statistics(torch.tensor([3.0, 1.0, 4.0, 10.0])) == {"mean": 4.5, "median": 3.5, "max": 10.0,
+                                                                     "min": 1.0}
+    assert grpo.has_repetition("ab" * 6000) and not grpo.has_repetition("ab" * 4000)  # 12k vs 8k characters
+    varied = "".join(chr(0x4e00 + (i * 7919) % 20000) for i in range(12000))
+    assert not grpo.has_repetition(varied)

@@ -362,5 +362,34 @@ def test_per_token_loss_tis_dual_clip_and_the_frameworks_metric_names(tmp_path):
     assert plain["train/entropy_loss"] > 0
     with pytest.raises(ValueError, match="--eps-clip-c must be > 1"):
         tiny(tmp_path, eps_clip_c=0.5).resolved()
+    # the rollout row: the framework's rollout-manager and trainer-side names
+    rollout = GRPOTrainer(tiny(tmp_path / "rollout", **kw))
+    summary = rollout_rows(rollout.step(0))[0]
+    rollout.release()
+    assert {"rollout/response_len/mean", "rollout/response_len/median", "rollout/response_len/max",
+            "rollout/response_len/min", "rollout/zero_std/all_zero_percentage", "rollout/zero_std/all_one_percentage",
+            "rollout/repetition_frac", "rollout/truncated_ratio", "perf/longest_sample_tokens_per_sec",
+            "perf/tokens_per_gpu_per_sec", "rollout/log_probs", "rollout/rollout_log_probs"} <= set(summary)
+    assert summary["rollout/response_len/mean"] == summary["rollout/response_lengths"]
+    assert summary["rollout/advantages"] == pytest.approx(0.0, abs=1e-5) == summary["rollout/returns"]
+    # fp32, same weights: the trainer's recomputed log-probs equal the rollout's to the fp32 floor
+    assert summary["rollout/log_probs"] == pytest.approx(summary["rollout/rollout_log_probs"], abs=1e-4)
     lora = tiny(tmp_path, lora_rank=4).resolved()
     assert lora.calculate_per_token_loss and (lora.adam_beta2, lora.weight_decay) == (0.98, 0.1)
+
+
+def test_a_grader_error_is_said_and_scored_as_a_miss(tmp_path):
+    """The framework's dapo reward raises on a label that is not a number (int(float(label))); its run
+    would stop. glmkit says so once per rollout (how many samples, the first error) and scores each such
+    sample as a miss (-1), counted in rollout/grader_errors."""
+    data = tmp_path / "words.jsonl"
+    data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"{i}+1="}], "label": "two"}) + "\n"
+                            for i in range(4)))
+    cfg = tiny(tmp_path, num_rollout=1, rollout_batch_size=4, global_batch_size=32, rm_type="dapo",
+               prompt_data=str(data), prompt_pool=None)
+    with pytest.warns(UserWarning, match=r"the dapo grader raised on 32 of 32 samples .* ValueError"):
+        rows = GRPOTrainer(cfg).run()
+    last = rollout_rows(rows)[-1]
+    assert last["rollout/grader_errors"] == 32 and last["rollout/raw_reward"] == -1.0
+    with pytest.raises(ValueError, match="--grader 'lenient'; allowed: framework, math-verify"):
+        tiny(tmp_path, grader="lenient").resolved()

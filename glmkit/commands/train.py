@@ -109,6 +109,9 @@ def add_commands(sub) -> None:
         p.add_argument("--input-key", default="prompt")
         p.add_argument("--label-key", default="label")
         p.add_argument("--rm-type", default="deepscaler", choices=["deepscaler", "math", "dapo"])
+        p.add_argument("--grader", default="framework", choices=["framework", "math-verify"],
+                       help="framework: exactly what the framework's reward returns (default); math-verify: "
+                            "glmkit's lenient equivalence grader")
         p.add_argument("--on-bad-row", default="skip", choices=["skip", "raise"])
         p.add_argument("--prompt-pool", type=_positive,
                        help="train on the first N prompts of the shuffled data only (tiny preset: 32)")

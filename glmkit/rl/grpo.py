@@ -113,3 +113,42 @@ def scheduled_lr(step: int, lr: float, style: str, warmup: int = 0, decay_steps:
     else:
         raise ValueError(f"unknown --lr-decay-style {style!r}; allowed: {', '.join(LR_DECAY_STYLES)}")
     return min_lr + coeff * (lr - min_lr)
+
+
+def statistics(values: torch.Tensor) -> dict:
+    """mean, median, max and min of a 1-D tensor (numpy's median: the mean of the middle two)."""
+    import numpy as np
+
+    array = values.double().numpy()
+    return {"mean": float(array.mean()), "median": float(np.median(array)), "max": float(array.max()),
+            "min": float(array.min())}
+
+
+def zero_std_groups(rewards: torch.Tensor, group_size: int) -> dict:
+    """The framework's zero_std metrics: per reward value (rounded to 0.1), how many prompt groups gave
+    every sample that same reward (no learning signal), `zero_std/count_<r>`; and those all 0 and all 1
+    as fractions of the groups."""
+    groups = rewards.float().view(-1, group_size)
+    counts: dict[str, int] = {}
+    for row in groups.tolist():
+        if all(r == row[0] for r in row):
+            key = str(round(row[0], 1))
+            counts[key] = counts.get(key, 0) + 1
+    out = {f"zero_std/count_{key}": count for key, count in counts.items()}
+    out["zero_std/all_zero_percentage"] = counts.get("0.0", 0) / len(groups)
+    out["zero_std/all_one_percentage"] = counts.get("1.0", 0) / len(groups)
+    return out
+
+
+REPETITION_WINDOW, REPETITION_RATIO = 10000, 10  # the last 10k characters compressing more than 10x
+
+
+def has_repetition(text: str) -> bool:
+    """A response whose last REPETITION_WINDOW characters zlib-compress more than REPETITION_RATIO
+    times (the framework's repetition flag; shorter responses never count)."""
+    import zlib
+
+    if len(text) <= REPETITION_WINDOW:
+        return False
+    raw = text[-REPETITION_WINDOW:].encode("utf-8")
+    return len(raw) / len(zlib.compress(raw, 9)) > REPETITION_RATIO

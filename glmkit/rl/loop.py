@@ -11,6 +11,7 @@ import contextlib
 import copy
 import json
 import math
+import warnings
 import os
 import shutil
 import time
@@ -35,6 +36,8 @@ ASSETS = Path(__file__).resolve().parents[1] / "assets"
 # `--optimizer adam --lr-decay-style constant --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.98`);
 # Megatron's own defaults differ (beta2 0.999, weight decay 0.01, linear decay). The LoRA launcher also
 # passes `--calculate-per-token-loss` (see TrainConfig.resolved).
+# A sample whose grader raised (the framework's run would stop) counts as a miss: its lowest score.
+MISS_SCORE = {"deepscaler": 0.0, "math": 0.0, "dapo": -1.0}
 LAUNCHER_OPTIMIZER = dict(adam_beta1=0.9, adam_beta2=0.98, weight_decay=0.1, lr_decay_style="constant")
 
 # Per --model-name defaults; anything given on the command line wins.
@@ -68,6 +71,7 @@ class TrainConfig:
     label_key: str = "label"
     apply_chat_template: bool = True
     rm_type: str = "deepscaler"
+    grader: str = "framework"               # framework (its rm_hub, exactly) or math-verify (lenient)
     on_bad_row: str = "skip"
     prompt_pool: int | None = None          # train on the first N prompts of the shuffled data only
     num_rollout: int = 20
@@ -133,6 +137,10 @@ class TrainConfig:
         if cfg.global_batch_size < 1 or total % cfg.global_batch_size:
             raise ValueError(f"--global-batch-size {cfg.global_batch_size} must divide rollout-batch-size x "
                              f"n-samples-per-prompt = {total}")
+        from glmkit.rl.rewards import GRADERS
+
+        if cfg.grader not in GRADERS:
+            raise ValueError(f"--grader {cfg.grader!r}; allowed: {', '.join(GRADERS)}")
         if cfg.kl_loss_type not in grpo.KL_TYPES:
             raise ValueError(f"--kl-loss-type {cfg.kl_loss_type!r}; allowed: {', '.join(grpo.KL_TYPES)}")
         if cfg.save_interval and not cfg.save:
@@ -675,10 +683,19 @@ class GRPOTrainer:
         params = SamplingParams(cfg.rollout_temperature, cfg.rollout_top_p, cfg.rollout_max_response_len,
                                 self.stop_ids)
         completions = self.rollout_side.generate([s.prompt_ids for s in expanded], params, rollout_seed(cfg, step))
-        rewards = []
+        rewards, failed, texts = [], [], []
         for s, c in zip(expanded, completions):
             text = self.tokenizer.decode(c.tokens, skip_special_tokens=False)
-            rewards.append(score(cfg.rm_type, text, s.label)["score"])
+            texts.append(text)
+            graded = score(cfg.rm_type, text, s.label, cfg.grader)
+            if graded["score"] is None:  # where the framework's reward raises: said, and scored as a miss
+                failed.append(graded["error"])
+            rewards.append(MISS_SCORE[cfg.rm_type] if graded["score"] is None else graded["score"])
+        self.grader_errors, self.rollout_texts = failed, texts
+        if failed:
+            warnings.warn(f"rollout {step}: the {cfg.rm_type} grader raised on {len(failed)} of {len(expanded)} "
+                          f"samples (the framework's run would stop there), each scored as a miss "
+                          f"({MISS_SCORE[cfg.rm_type]}); the first: {failed[0]}", stacklevel=2)
         return expanded, completions, torch.tensor(rewards, dtype=torch.float32)
 
     def _pack(self, completions):
@@ -718,7 +735,7 @@ class GRPOTrainer:
         t_sync = time.time()
         self.sync()
         t_sync = time.time() - t_sync
-        rows.append(self.rollout_metrics(step, completions, rewards, t0, t_rollout, time.time() - t1, t_sync))
+        rows.append(self.rollout_metrics(step, completions, rewards, t0, t_rollout, time.time() - t1, t_sync, batch))
         return rows, TrainState(step=step + 1, nonfinite_streak=streak)
 
     def build_batch(self, completions, rewards, kept: list) -> RolloutBatch:
@@ -875,20 +892,48 @@ class GRPOTrainer:
         return row
 
     def rollout_metrics(self, step: int, completions, rewards, t0: float, t_rollout: float, t_train: float,
-                        t_sync: float = 0.0) -> dict:
-        """The rollout's `rollout/*` and `perf/*` row (over the whole rollout, on every rank)."""
+                        t_sync: float = 0.0, batch: RolloutBatch | None = None) -> dict:
+        """The rollout's `rollout/*` and `perf/*` row (over the whole rollout, on every rank), with the
+        framework's names: its rollout manager's (response_len/*, zero_std/*, repetition_frac,
+        truncated_ratio, perf/rollout_time and token rates) and its trainer's (raw_reward,
+        response_lengths, truncated, and the sample means of log_probs, rollout_log_probs, ref_log_probs,
+        advantages and returns over the response tokens)."""
         n = len(completions)
         lengths = torch.tensor([len(c.tokens) for c in completions], dtype=torch.float32)
         tokens = sum(len(c.prompt) + len(c.tokens) for c in completions)
+        truncated = sum(c.finish_reason == "length" for c in completions) / n
         summary = {"rollout/step": step, "step": step, "rollout/raw_reward": rewards.mean().item(),
-                   "rollout/response_lengths": lengths.mean().item(),
-                   "rollout/truncated": sum(c.finish_reason == "length" for c in completions) / n,
+                   "rollout/grader_errors": len(getattr(self, "grader_errors", [])),
+                   "rollout/response_lengths": lengths.mean().item(), "rollout/truncated": truncated,
+                   "rollout/truncated_ratio": truncated,
+                   **{f"rollout/response_len/{k}": v for k, v in grpo.statistics(lengths).items()},
+                   **{f"rollout/{k}": v for k, v in grpo.zero_std_groups(rewards, self.cfg.n_samples_per_prompt).items()},
                    "perf/rollout_time": t_rollout, "perf/train_time": t_train,
+                   "perf/longest_sample_tokens_per_sec": lengths.max().item() / max(1e-9, t_rollout),
+                   "perf/tokens_per_gpu_per_sec": lengths.sum().item() / max(1e-9, t_rollout),  # one device
                    "perf/tokens_per_s": tokens / max(1e-9, t_rollout + t_train), "perf/step_time": time.time() - t0,
                    "perf/sync_time": t_sync}
+        texts = getattr(self, "rollout_texts", None)
+        if texts is not None and len(texts) == n:
+            summary["rollout/repetition_frac"] = sum(map(grpo.has_repetition, texts)) / n
+        if batch is not None and batch.old_logp is not None:
+            summary.update(self._token_means(batch))
         if self.policy.device.type == "cuda":
             summary["perf/max_memory_allocated_gib"] = torch.cuda.max_memory_allocated(self.policy.device) / 2**30
         return summary
+
+    def _token_means(self, batch: RolloutBatch) -> dict:
+        """rollout/log_probs, rollout_log_probs, ref_log_probs, advantages and returns (GRPO's returns are
+        its advantages): means over samples of each sample's response-token mean, over every rank's."""
+        of, num = batch.packed.seq_index.cpu(), len(batch.completions)
+        values = {"rollout/log_probs": batch.old_logp, "rollout/rollout_log_probs": batch.rollout_logp,
+                  "rollout/advantages": batch.adv_tok, "rollout/returns": batch.adv_tok}
+        if batch.ref_logp is not None:
+            values["rollout/ref_log_probs"] = batch.ref_logp
+        totals = {k: grpo.sample_total(v.float(), batch.mask, of, num).item() for k, v in values.items()}
+        sums = self._sum({}, {**totals, "present": grpo.samples_present(batch.mask, of, num)})
+        present = max(1, sums.pop("present"))
+        return {k: v / present for k, v in sums.items()}
 
     def run(self, on_metrics=None) -> list[dict]:
         """Every rollout from `start_step` to `num_rollout`: its rows appended to `metrics_out` as they
