@@ -393,3 +393,24 @@ def test_a_grader_error_is_said_and_scored_as_a_miss(tmp_path):
     assert last["rollout/grader_errors"] == 32 and last["rollout/raw_reward"] == -1.0
     with pytest.raises(ValueError, match="--grader 'lenient'; allowed: framework, math-verify"):
         tiny(tmp_path, grader="lenient").resolved()
+
+
+def test_every_rollout_side_speaks_the_protocol_and_a_half_one_is_refused(tmp_path):
+    """Issue 35 point 5: the trainer's seam is a type (glmkit.model.rollout.RolloutSide), not hasattr
+    checks: the in-process engine, the SGLang client and the Ray rollout all satisfy it, and an object
+    missing a method is refused by name before any model loads."""
+    from glmkit.launch.builtin import RayRollout
+    from glmkit.model.rollout import RolloutSide
+    from glmkit.rl.loop import LocalRollout
+    from glmkit.serve.client import SGLangRollout
+
+    for side in (LocalRollout, SGLangRollout, RayRollout):
+        assert all(callable(getattr(side, m, None)) for m in ("bind", "generate", "load")), side
+
+    class GenerateOnly:
+        def generate(self, prompt_ids, params, seed):
+            return []
+
+    assert not isinstance(GenerateOnly(), RolloutSide)
+    with pytest.raises(TypeError, match="rollout side GenerateOnly lacks bind, load"):
+        GRPOTrainer(tiny(tmp_path, num_rollout=1), rollout=GenerateOnly())

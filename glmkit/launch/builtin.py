@@ -114,6 +114,9 @@ class RayRollout:
             raise RuntimeError(f"rollout actor(s) died: {', '.join(dead) or 'unknown'} ({type(err).__name__}: "
                                f"{str(err).splitlines()[0]})") from err
 
+    def bind(self, policy) -> None:
+        """Nothing to keep: the actors load the checkpoint themselves and receive tensors by `load`."""
+
     def generate(self, prompt_ids, params, seed: int):
         from glmkit.rl.parallel import share
 

@@ -15,6 +15,7 @@ import itertools
 import warnings
 from collections import deque
 from dataclasses import dataclass, field, fields, is_dataclass, replace
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -71,6 +72,24 @@ class DecodeBatch:
 
     states: list
     lengths: torch.Tensor
+
+
+@runtime_checkable
+class RolloutSide(Protocol):
+    """What a GRPO trainer asks of the side that generates its samples, wherever it runs: in this
+    process (glmkit.rl.loop.LocalRollout), behind an SGLang-protocol server
+    (glmkit.serve.client.SGLangRollout) or on Ray actors (glmkit.launch.builtin.RayRollout).
+
+    bind(policy)                    once, before the first rollout: the trainer's model (a server that
+                                    merges LoRA adapters reads the base from it; the others keep nothing)
+    generate(prompt_ids, params, seed) -> [Completion]   each with its log-probs, routing and selections
+    load(tensors)                   after every optimizer step: the trainable tensors by name"""
+
+    def bind(self, policy) -> None: ...
+
+    def generate(self, prompt_ids: list, params: SamplingParams, seed: int) -> list: ...
+
+    def load(self, tensors: dict) -> None: ...
 
 
 class RolloutEngine:

@@ -23,7 +23,7 @@ from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
 from glmkit.inputs import not_a_file, read_marker
-from glmkit.model.rollout import GREEDY_BELOW
+from glmkit.model.rollout import GREEDY_BELOW, RolloutSide
 from glmkit.outputs import (MARKER, RunLock, check_dir_out, check_file_out, is_glmkit_file, is_glmkit_output, mark_file,
                             refuse_input_as_output, refuse_package_paths, refuse_replacing,
                             added_entries, record_entries, staging_dir, through_link, usual_modes)
@@ -507,6 +507,9 @@ class LocalRollout:
         self.model = engine_model
         self.engine = RolloutEngine(engine_model, backends)
 
+    def bind(self, policy) -> None:
+        """Nothing to keep: this side holds its own copy of the trainable weights."""
+
     def generate(self, prompt_ids, params, seed: int):
         return self.engine.generate(prompt_ids, params, seed=seed, record_routing=True, record_topk=True)
 
@@ -519,9 +522,9 @@ class LocalRollout:
 
 
 class GRPOTrainer:
-    def __init__(self, cfg: TrainConfig, rollout=None, dp=None):
-        """`rollout`: an object with generate(prompt_ids, params, seed) -> completions and
-        load(tensors); None = LocalRollout on a copy of the policy's trainable weights.
+    def __init__(self, cfg: TrainConfig, rollout: "RolloutSide | None" = None, dp=None):
+        """`rollout`: a RolloutSide (glmkit.model.rollout); None = LocalRollout on a copy of the
+        policy's trainable weights.
         `dp`: a `glmkit.rl.parallel.DataParallel` (or made from the environment when
         cfg.data_parallel is set): this process is one trainer rank; rank 0 alone rolls out, writes
         metrics and checkpoints."""
@@ -594,7 +597,11 @@ class GRPOTrainer:
         # copied: the frozen base is shared, as SGLang keeps its base in place and loads adapters.
         self.rollout_side = None if not self.lead else rollout if rollout is not None else \
             LocalRollout(self._copy_trainable(self.policy), cfg.backends)
-        if hasattr(self.rollout_side, "bind"):  # a remote rollout that merges LoRA adapters needs the policy
+        if self.rollout_side is not None:
+            if not isinstance(self.rollout_side, RolloutSide):
+                missing = [m for m in ("bind", "generate", "load") if not callable(getattr(self.rollout_side, m, None))]
+                raise TypeError(f"rollout side {type(self.rollout_side).__name__} lacks {', '.join(missing)} "
+                                f"(see glmkit.model.rollout.RolloutSide)")
             self.rollout_side.bind(self.policy)
         self.train_path = TrainPath(self.policy, cfg.backends)
         self.reference = self._copy_trainable(self.policy).eval() if cfg.kl_loss_coef else None
