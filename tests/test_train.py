@@ -363,7 +363,7 @@ def test_per_token_loss_tis_dual_clip_and_the_frameworks_metric_names(tmp_path):
     with pytest.raises(ValueError, match="--eps-clip-c must be > 1"):
         tiny(tmp_path, eps_clip_c=0.5).resolved()
     # the rollout row: the framework's rollout-manager and trainer-side names
-    rollout = GRPOTrainer(tiny(tmp_path / "rollout", **kw))
+    rollout = GRPOTrainer(tiny(tmp_path / "rollout", mfu_peak_tflops=1.0, **kw))
     summary = rollout_rows(rollout.step(0))[0]
     rollout.release()
     assert {"rollout/response_len/mean", "rollout/response_len/median", "rollout/response_len/max",
@@ -371,6 +371,8 @@ def test_per_token_loss_tis_dual_clip_and_the_frameworks_metric_names(tmp_path):
             "rollout/repetition_frac", "rollout/truncated_ratio", "perf/longest_sample_tokens_per_sec",
             "perf/tokens_per_gpu_per_sec", "rollout/log_probs", "rollout/rollout_log_probs"} <= set(summary)
     assert summary["rollout/response_len/mean"] == summary["rollout/response_lengths"]
+    assert summary["perf/actor_train_tflops"] > 0 and summary["perf/log_probs_tflops"] > 0
+    assert summary["perf/actor_train_mfu"] == summary["perf/actor_train_tflops"]  # against a peak of 1 TFLOP/s
     assert summary["rollout/advantages"] == pytest.approx(0.0, abs=1e-5) == summary["rollout/returns"]
     # fp32, same weights: the trainer's recomputed log-probs equal the rollout's to the fp32 floor
     assert summary["rollout/log_probs"] == pytest.approx(summary["rollout/rollout_log_probs"], abs=1e-4)

@@ -154,6 +154,9 @@ def add_commands(sub) -> None:
                             "tis_abs, ois")
         p.add_argument("--tis-clip", type=_finite, default=2.0)
         p.add_argument("--tis-clip-low", type=_finite, default=0.0)
+        p.add_argument("--mfu-peak-tflops", type=_finite,
+                       help="peak dense bf16 TFLOP/s of the training device, for perf/actor_train_mfu (default: "
+                            "known GPUs by name; on a CPU no MFU is logged without it)")
         p.add_argument("--enable-r3", action="store_true", help="routing replay: the trainer uses the rollout's experts")
         p.add_argument("--use-rollout-indexer-replay", action="store_true",
                        help="DSA top-k replay: the trainer attends over the positions the rollout selected")

@@ -103,6 +103,7 @@ class TrainConfig:
     use_tis: bool = False                   # truncated importance sampling of the trainer/rollout ratio
     tis_clip: float = 2.0
     tis_clip_low: float = 0.0
+    mfu_peak_tflops: float | None = None    # the device's peak for perf/actor_train_mfu (default: known GPUs)
     enable_r3: bool = False
     use_rollout_indexer_replay: bool = False
     max_nonfinite_steps: int = 3
@@ -185,6 +186,8 @@ class TrainConfig:
             raise ValueError(f"--min-lr {cfg.min_lr} is above --lr {cfg.lr}")
         if cfg.eps_clip_c is not None and not (math.isfinite(cfg.eps_clip_c) and cfg.eps_clip_c > 1):
             raise ValueError(f"--eps-clip-c must be > 1 (the lower bound of dual-clip PPO), got {cfg.eps_clip_c}")
+        if cfg.mfu_peak_tflops is not None and not (math.isfinite(cfg.mfu_peak_tflops) and cfg.mfu_peak_tflops > 0):
+            raise ValueError(f"--mfu-peak-tflops must be > 0, got {cfg.mfu_peak_tflops}")
         if cfg.tis_clip_low > cfg.tis_clip:
             raise ValueError(f"--tis-clip-low {cfg.tis_clip_low} is above --tis-clip {cfg.tis_clip}")
         if not 0 < cfg.rollout_top_p <= 1:
@@ -731,6 +734,7 @@ class GRPOTrainer:
         if self.dp is not None:
             shares = [self.dp.share(ids) for ids in shares]
         kept = [i for ids in shares for i in ids]
+        t_built = time.time()
         batch = self.recompute(self.build_batch(completions, rewards, kept))
         t1 = time.time()
         starts = [sum(map(len, shares[:mb])) for mb in range(minibatches)]
@@ -739,6 +743,7 @@ class GRPOTrainer:
             row = self.update(batch, step, mb, minibatches, list(range(start, start + len(ids))))
             streak = streak + 1 if row.get("train/step_skipped") else 0
             rows.append(row)
+        self.phase_times = {"log_probs": t1 - t_built, "actor_train": time.time() - t1}
         t_sync = time.time()
         self.sync()
         t_sync = time.time() - t_sync
@@ -920,6 +925,8 @@ class GRPOTrainer:
                    "perf/tokens_per_gpu_per_sec": lengths.sum().item() / max(1e-9, t_rollout),  # one device
                    "perf/tokens_per_s": tokens / max(1e-9, t_rollout + t_train), "perf/step_time": time.time() - t0,
                    "perf/sync_time": t_sync}
+        if batch is not None:
+            summary.update(self._throughput(batch))
         texts = getattr(self, "rollout_texts", None)
         if texts is not None and len(texts) == n:
             summary["rollout/repetition_frac"] = sum(map(grpo.has_repetition, texts)) / n
@@ -928,6 +935,31 @@ class GRPOTrainer:
         if self.policy.device.type == "cuda":
             summary["perf/max_memory_allocated_gib"] = torch.cuda.max_memory_allocated(self.policy.device) / 2**30
         return summary
+
+    def _throughput(self, batch: RolloutBatch) -> dict:
+        """The framework's perf metrics of this rank's share: perf/{log_probs,actor_train}_time, their
+        TFLOP/s from the model's FLOP count (glmkit.model.flops; training = 3 x forward), the training
+        tokens/s, and on a GPU whose peak is known (or --mfu-peak-tflops) perf/mfu_peak_tflops and
+        perf/actor_train_mfu."""
+        from glmkit.model.flops import forward_flops, peak_bf16_tflops
+
+        times = getattr(self, "phase_times", None)
+        if not times:
+            return {}
+        lengths = [end - start for start, end in batch.packed.bounds()]
+        tflop = forward_flops(self.policy.config, lengths) / 1e12
+        out = {f"perf/{k}_time": v for k, v in times.items()}
+        if times["log_probs"] > 0:
+            out["perf/log_probs_tflops"] = tflop / times["log_probs"]
+        if times["actor_train"] > 0:
+            out["perf/actor_train_tflops"] = 3 * tflop / times["actor_train"]
+            out["perf/actor_train_tok_per_s"] = sum(lengths) / times["actor_train"]
+            peak = self.cfg.mfu_peak_tflops or (peak_bf16_tflops(torch.cuda.get_device_name(self.policy.device))
+                                                if self.policy.device.type == "cuda" else None)
+            if peak:
+                out["perf/mfu_peak_tflops"] = peak
+                out["perf/actor_train_mfu"] = out["perf/actor_train_tflops"] / peak
+        return out
 
     def _token_means(self, batch: RolloutBatch) -> dict:
         """rollout/log_probs, rollout_log_probs, ref_log_probs, advantages and returns (GRPO's returns are
