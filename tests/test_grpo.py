@@ -168,3 +168,10 @@ def test_the_models_flop_count_by_hand():
     assert forward_flops(c, [L, L]) == pytest.approx(2 * want)  # sequences are causal on their own
     assert (peak_bf16_tflops("NVIDIA H100 80GB HBM3"), peak_bf16_tflops("NVIDIA H100 PCIe"),
             peak_bf16_tflops("NVIDIA H200"), peak_bf16_tflops("cpu")) == (989.0, 756.0, 989.0, None)
+
+
+def test_pass_at_k_is_the_unbiased_estimator():
+    # one prompt 4 samples, 1 correct: pass@1 = 1/4, pass@2 = 1 - C(3,2)/C(4,2) = 1/2, pass@4 = 1
+    # another all wrong: 0, 0, 0 -> means 1/8, 1/4, 1/2
+    assert grpo.pass_at_k([1, 0, 0, 0, 0, 0, 0, 0], 4) == pytest.approx({"pass@1": 0.125, "pass@2": 0.25, "pass@4": 0.5})
+    assert grpo.pass_at_k([1, 0], 1) == {}

@@ -416,3 +416,24 @@ def test_every_rollout_side_speaks_the_protocol_and_a_half_one_is_refused(tmp_pa
     assert not isinstance(GenerateOnly(), RolloutSide)
     with pytest.raises(TypeError, match="rollout side GenerateOnly lacks bind, load"):
         GRPOTrainer(tiny(tmp_path, num_rollout=1), rollout=GenerateOnly())
+
+
+def test_held_out_evaluation_before_every_interval_and_at_the_end(tmp_path):
+    """Issue 35 point 4: the tiny preset evaluates on the 82 held-out arithmetic problems (none of them a
+    training prompt) greedily before training, every --eval-interval rollouts and after the last; with
+    several samples per prompt, eval/pass@k. A file sharing prompts with the training data is refused."""
+    rows = GRPOTrainer(tiny(tmp_path, num_rollout=3, rollout_batch_size=4, global_batch_size=32,
+                            eval_interval=2)).run()
+    evals = [r for r in rows if "eval/step" in r]
+    assert [r["eval/step"] for r in evals] == [0, 2, 3]
+    assert all(0 <= r["eval/raw_reward"] <= 1 and "eval/pass@1" not in r for r in evals)
+    sampled = GRPOTrainer(tiny(tmp_path / "n", num_rollout=1, rollout_batch_size=4, global_batch_size=32,
+                               n_samples_per_eval_prompt=4))
+    row = sampled.evaluate(0)
+    sampled.release()
+    assert {"eval/pass@1", "eval/pass@2", "eval/pass@4"} <= set(row)
+    assert row["eval/pass@1"] == pytest.approx(row["eval/raw_reward"])  # rewards are 0 / 1 here
+    from glmkit.rl.loop import ASSETS
+
+    with pytest.raises(ValueError, match="prompts are also training prompts"):
+        GRPOTrainer(tiny(tmp_path / "x", eval_prompt_data=str(ASSETS / "arith" / "train.jsonl")))

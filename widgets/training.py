@@ -32,6 +32,7 @@ from widgets.parity import FIGURE_DPI, MAX_WIDTH_IN, MIN_FONT_PT, _message_figur
 # The recipe's metrics, in the order the small multiples show them.
 DEFAULT_METRICS = (
     "rollout/raw_reward",
+    "eval/raw_reward",
     "train/train_rollout_logprob_abs_diff",
     "train/ppo_kl",
     "train/grad_norm",

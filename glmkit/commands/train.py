@@ -17,7 +17,14 @@ def _train_config(args):
     from glmkit.rl.loop import TrainConfig
 
     names = {f.name for f in fields(TrainConfig)}
-    return TrainConfig(**{k: v for k, v in vars(args).items() if k in names}, backends=str(_backends(args)))
+    given = {k: v for k, v in vars(args).items() if k in names}
+    data = given.get("eval_prompt_data")
+    if data is not None:  # the framework's form is NAME PATH (pairs, for several sets); glmkit reads one set
+        if len(data) > 2:
+            raise ValueError(f"--eval-prompt-data {' '.join(data)}: glmkit evaluates one held-out file "
+                             f"([NAME] FILE), got {len(data)} values")
+        given["eval_prompt_data"] = data[-1]
+    return TrainConfig(**given, backends=str(_backends(args)))
 
 
 def cmd_train(args) -> int:
@@ -154,6 +161,14 @@ def add_commands(sub) -> None:
                             "tis_abs, ois")
         p.add_argument("--tis-clip", type=_finite, default=2.0)
         p.add_argument("--tis-clip-low", type=_finite, default=0.0)
+        p.add_argument("--eval-prompt-data", nargs="+", metavar="[NAME] FILE",
+                       help="held-out prompts (jsonl; none of them a training prompt), evaluated before training, "
+                            "every --eval-interval rollouts and after the last (tiny preset: the arithmetic test split)")
+        p.add_argument("--eval-interval", type=_positive, help="rollouts between evaluations (tiny preset: 5)")
+        p.add_argument("--n-samples-per-eval-prompt", type=_positive, default=1,
+                       help="samples per eval prompt (> 1: sampled at --eval-temperature, eval/pass@k logged)")
+        p.add_argument("--eval-temperature", type=_finite,
+                       help="default: greedy with one sample, else the rollout temperature")
         p.add_argument("--mfu-peak-tflops", type=_finite,
                        help="peak dense bf16 TFLOP/s of the training device, for perf/actor_train_mfu (default: "
                             "known GPUs by name; on a CPU no MFU is logged without it)")

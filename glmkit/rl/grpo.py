@@ -152,3 +152,22 @@ def has_repetition(text: str) -> bool:
         return False
     raw = text[-REPETITION_WINDOW:].encode("utf-8")
     return len(raw) / len(zlib.compress(raw, 9)) > REPETITION_RATIO
+
+
+def pass_at_k(rewards: list, group_size: int) -> dict:
+    """pass@k for k = 1, 2, 4, ... up to `group_size` over consecutive groups of `group_size` samples of
+    one prompt, a sample passing when its reward is 1: the unbiased estimator 1 - C(n - c, k) / C(n, k)
+    averaged over prompts (the framework's --log-passrate). Empty for groups of one."""
+    if group_size <= 1:
+        return {}
+    groups = [rewards[i:i + group_size] for i in range(0, len(rewards), group_size)]
+    out = {}
+    k = 1
+    while k <= group_size:
+        total = 0.0
+        for g in groups:
+            n, c = len(g), sum(1 for r in g if r == 1)
+            total += 1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k)
+        out[f"pass@{k}"] = total / len(groups)
+        k *= 2
+    return out

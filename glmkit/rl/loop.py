@@ -36,6 +36,7 @@ ASSETS = Path(__file__).resolve().parents[1] / "assets"
 # `--optimizer adam --lr-decay-style constant --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.98`);
 # Megatron's own defaults differ (beta2 0.999, weight decay 0.01, linear decay). The LoRA launcher also
 # passes `--calculate-per-token-loss` (see TrainConfig.resolved).
+EVAL_SEED_OFFSET = 1 << 40  # evaluation samples with seeds no training rollout uses
 # A sample whose grader raised (the framework's run would stop) counts as a miss: its lowest score.
 MISS_SCORE = {"deepscaler": 0.0, "math": 0.0, "dapo": -1.0}
 LAUNCHER_OPTIMIZER = dict(adam_beta1=0.9, adam_beta2=0.98, weight_decay=0.1, lr_decay_style="constant")
@@ -51,7 +52,8 @@ PRESETS = {
     # first 3 by 0.42 (0.458 -> 0.880, seed 0, 2 CPU cores).
     "tiny": dict(checkpoint=str(ASSETS / "tiny_start"), prompt_data=str(ASSETS / "arith" / "train.jsonl"),
                  tokenizer=str(ASSETS / "tiny_tokenizer"), lr=4e-4, rollout_max_response_len=12,
-                 rollout_batch_size=16, global_batch_size=32, prompt_pool=32, **LAUNCHER_OPTIMIZER),
+                 rollout_batch_size=16, global_batch_size=32, prompt_pool=32,
+                 eval_prompt_data=str(ASSETS / "arith" / "test.jsonl"), eval_interval=5, **LAUNCHER_OPTIMIZER),
     "GLM-5.3-Flash-4layer": dict(prompt_data="/root/datasets/dapo-math-17k/dapo-math-17k.jsonl", lr=1e-6,
                                  rollout_max_response_len=4096, rollout_batch_size=8, global_batch_size=64,
                                  **LAUNCHER_OPTIMIZER),
@@ -104,6 +106,12 @@ class TrainConfig:
     tis_clip: float = 2.0
     tis_clip_low: float = 0.0
     mfu_peak_tflops: float | None = None    # the device's peak for perf/actor_train_mfu (default: known GPUs)
+    # held-out evaluation: prompts no training prompt repeats, before training, every eval_interval
+    # rollouts and after the last; greedy, or n samples at eval_temperature for eval/pass@k
+    eval_prompt_data: str | None = None
+    eval_interval: int | None = None
+    n_samples_per_eval_prompt: int = 1
+    eval_temperature: float | None = None   # None: greedy with one sample, else the rollout temperature
     enable_r3: bool = False
     use_rollout_indexer_replay: bool = False
     max_nonfinite_steps: int = 3
@@ -186,6 +194,12 @@ class TrainConfig:
             raise ValueError(f"--min-lr {cfg.min_lr} is above --lr {cfg.lr}")
         if cfg.eps_clip_c is not None and not (math.isfinite(cfg.eps_clip_c) and cfg.eps_clip_c > 1):
             raise ValueError(f"--eps-clip-c must be > 1 (the lower bound of dual-clip PPO), got {cfg.eps_clip_c}")
+        if cfg.eval_interval is not None and cfg.eval_interval < 1:
+            raise ValueError(f"--eval-interval must be >= 1, got {cfg.eval_interval}")
+        if cfg.n_samples_per_eval_prompt < 1:
+            raise ValueError(f"--n-samples-per-eval-prompt must be >= 1, got {cfg.n_samples_per_eval_prompt}")
+        if cfg.eval_temperature is not None and not (math.isfinite(cfg.eval_temperature) and cfg.eval_temperature >= 0):
+            raise ValueError(f"--eval-temperature must be a finite number >= 0, got {cfg.eval_temperature}")
         if cfg.mfu_peak_tflops is not None and not (math.isfinite(cfg.mfu_peak_tflops) and cfg.mfu_peak_tflops > 0):
             raise ValueError(f"--mfu-peak-tflops must be > 0, got {cfg.mfu_peak_tflops}")
         if cfg.tis_clip_low > cfg.tis_clip:
@@ -250,12 +264,15 @@ class RolloutBatch:
 
 # ------------------------------------------------------------------ checkpoints (safetensors only)
 
-def _save_checkpoint(cfg, state: TrainState, policy, optimizer, lora_names) -> Path:
-    """The checkpoint after rollout `state.step - 1`: weights (or adapters), the optimizer's moments,
-    and state.json with the TrainState, the optimizer's param groups and the run's settings."""
+def _save_checkpoint(cfg, state: TrainState | int, policy, optimizer, lora_names) -> Path:
+    """The checkpoint after rollout `state.step - 1` (an int: the rollout just completed): weights (or
+    adapters), the optimizer's moments, and state.json with the TrainState, the optimizer's param
+    groups and the run's settings."""
     from glmkit.model import save_model
     from glmkit.rl.lora import adapter_state
 
+    if isinstance(state, int):
+        state = TrainState(step=state + 1)
     step = state.step - 1
     root = Path(cfg.save)
     root.mkdir(parents=True, exist_ok=True)
@@ -437,7 +454,9 @@ def _truncate_metrics(path: Path, start_step: int) -> list[str]:
             drop.append(line)
             continue
         step = row.get("step", -1) if isinstance(row, dict) else None
-        (drop if not isinstance(step, (int, float)) or step >= start_step else keep).append(line)
+        # an evaluation row's step counts the rollouts done before it: the one after the checkpoint stays
+        limit = start_step + 1 if isinstance(row, dict) and "eval/step" in row else start_step
+        (drop if not isinstance(step, (int, float)) or step >= limit else keep).append(line)
     if not drop:
         return []
     side = path.with_name(f"{path.name}.dropped-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -560,6 +579,18 @@ class GRPOTrainer:
             raise ValueError(f"--prompt-data {cfg.prompt_data}: no usable prompts{first}")
         if cfg.prompt_pool:
             self.samples = self.samples[:cfg.prompt_pool]
+        self.eval_samples = []
+        if cfg.eval_prompt_data:
+            if (why := not_a_file(cfg.eval_prompt_data)) is not None:
+                raise ValueError(f"--eval-prompt-data {cfg.eval_prompt_data}: {why}; give a jsonl file")
+            self.eval_samples, _ = load_prompts(cfg.eval_prompt_data, cfg.input_key, cfg.label_key, self.tokenizer,
+                                                cfg.apply_chat_template, None, cfg.on_bad_row)
+            shared = {tuple(s.prompt_ids) for s in self.samples} & {tuple(s.prompt_ids) for s in self.eval_samples}
+            if shared:
+                raise ValueError(f"--eval-prompt-data {cfg.eval_prompt_data}: {len(shared)} of its prompts are also "
+                                 f"training prompts; a held-out evaluation needs prompts the run never trains on")
+            if not self.eval_samples:
+                raise ValueError(f"--eval-prompt-data {cfg.eval_prompt_data}: no usable prompts")
         open_checkpoint(cfg.checkpoint)  # names, shapes and dtypes from the headers, before the outputs are claimed
         # every input checked first (--overwrite removes an earlier run only once this one can start),
         # before anything slow: a refused run fails at once
@@ -936,6 +967,40 @@ class GRPOTrainer:
             summary["perf/max_memory_allocated_gib"] = torch.cuda.max_memory_allocated(self.policy.device) / 2**30
         return summary
 
+    def evaluate(self, step: int) -> dict:
+        """The held-out evaluation after `step` rollouts (0: before training): eval/raw_reward, the mean
+        reward of the eval prompts' samples (greedy, one each, unless --eval-temperature), with
+        eval/pass@k for k = 1, 2, 4, ... up to --n-samples-per-eval-prompt (the unbiased estimator over
+        each prompt's samples), eval/truncated_ratio and eval/step."""
+        from glmkit.model import SamplingParams
+        from glmkit.rl.rewards import score
+
+        cfg = self.cfg
+        n = cfg.n_samples_per_eval_prompt
+        temperature = cfg.eval_temperature if cfg.eval_temperature is not None else (
+            cfg.rollout_temperature if n > 1 else 0.0)
+        expanded = [s for s in self.eval_samples for _ in range(n)]
+        params = SamplingParams(temperature, cfg.rollout_top_p if temperature else 1.0, cfg.rollout_max_response_len,
+                                self.stop_ids)
+        completions = self.rollout_side.generate([s.prompt_ids for s in expanded], params,
+                                                 rollout_seed(cfg, step) + EVAL_SEED_OFFSET)
+        rewards = []
+        for s, c in zip(expanded, completions):
+            graded = score(cfg.rm_type, self.tokenizer.decode(c.tokens, skip_special_tokens=False), s.label,
+                           cfg.grader)
+            rewards.append(MISS_SCORE[cfg.rm_type] if graded["score"] is None else graded["score"])
+        row = {"eval/step": step, "step": step, "eval/raw_reward": sum(rewards) / len(rewards),
+               "eval/truncated_ratio": sum(c.finish_reason == "length" for c in completions) / len(completions)}
+        row.update({f"eval/{k}": v for k, v in grpo.pass_at_k(rewards, n).items()})
+        return row
+
+    def _evaluates_after(self, done: int) -> bool:
+        """Whether the held-out evaluation runs once `done` rollouts are done (0: before training)."""
+        cfg = self.cfg
+        if not self.eval_samples or self.rollout_side is None:
+            return False
+        return done == 0 or done == cfg.num_rollout or bool(cfg.eval_interval and done % cfg.eval_interval == 0)
+
     def _throughput(self, batch: RolloutBatch) -> dict:
         """The framework's perf metrics of this rank's share: perf/{log_probs,actor_train}_time, their
         TFLOP/s from the model's FLOP count (glmkit.model.flops; training = 3 x forward), the training
@@ -998,18 +1063,16 @@ class GRPOTrainer:
         cfg = self.cfg
         # unbuffered bytes: each row is written whole or cut back (append_row), never left half a line
         with (out.open("ab", buffering=0) if self.lead else contextlib.nullcontext()) as stream:
+            if self.state.step == 0 and self._evaluates_after(0):
+                self._write([self.evaluate(0)], history, stream, on_metrics)
             for step in bar:
                 rows, self.state = self.advance(self.state)
-                for row in rows:
-                    row = json_row(row)
-                    history.append(row)
-                    if not self.lead:
-                        continue
-                    append_row(stream, json.dumps(row, allow_nan=False))  # a crash loses nothing already measured
-                    if on_metrics is not None:
-                        on_metrics(row)
+                if self._evaluates_after(step + 1):
+                    rows.append(self.evaluate(step + 1))
+                self._write(rows, history, stream, on_metrics)
                 last_train = next((r for r in reversed(rows) if "train/step" in r), {})
-                bar.set_postfix(reward=f"{rows[-1]['rollout/raw_reward']:.3f}",
+                last_rollout = next(r for r in reversed(rows) if "rollout/raw_reward" in r)
+                bar.set_postfix(reward=f"{last_rollout['rollout/raw_reward']:.3f}",
                                 diff=f"{last_train.get('train/train_rollout_logprob_abs_diff') or 0:.1e}")
                 # --save without --save-interval: one checkpoint, after the last rollout
                 periodic = (step + 1) % cfg.save_interval == 0 if cfg.save_interval else step + 1 == cfg.num_rollout
@@ -1020,6 +1083,16 @@ class GRPOTrainer:
                                        f"in a row had a NaN / Inf loss or gradient norm (each was skipped; see "
                                        f"train/step_skipped in {out})")
         return history
+
+    def _write(self, rows, history, stream, on_metrics):
+        for row in rows:
+            row = json_row(row)
+            history.append(row)
+            if not self.lead:
+                continue
+            append_row(stream, json.dumps(row, allow_nan=False))  # a crash loses nothing already measured
+            if on_metrics is not None:
+                on_metrics(row)
 
 
 def append_row(stream, row: str) -> None:
