@@ -69,35 +69,45 @@ def ascii_float(text: str) -> float:
 
 # A tensor read from a file may be a view declaring far more elements than its storage holds (torch.save
 # keeps `x.expand(n)` as one stored element and a stride of 0); reading its values would materialise all
-# of them. Such views are read up to this size; beyond it the file is refused by name.
-MAX_EXPANDED_BYTES = 256 * 2**20
+# of them (and readers widen them: int8 ids become int64). Such views are read while all of a file's
+# together stay under this many elements; beyond it the file is refused by name.
+MAX_EXPANDED_ELEMENTS = 1 << 24
 
 
-def check_loaded_tensors(value, file: str, place: str = "", depth: int = 0) -> None:
+def check_loaded_tensors(value, file: str) -> None:
     """Refuse, naming the file and the place (e.g. `samples[0].tokens`), any tensor in a torch.load result
-    (nested in dicts, lists and tuples) that holds no data (meta), is not dense, or is an expanded view
-    larger than MAX_EXPANDED_BYTES; such a tensor fails later in a far less telling way, or fills memory."""
+    (nested in dicts, lists and tuples) that holds no data (meta), is not dense (sparse, quantized,
+    nested), or is an expanded view, when a file's expanded views declare more than
+    MAX_EXPANDED_ELEMENTS elements together; such a tensor fails later in a far less telling way, or
+    fills memory."""
+    expanded = [0]
+    _check_tensors(value, file, "", 0, expanded)
+
+
+def _check_tensors(value, file: str, place: str, depth: int, expanded: list) -> None:
     import torch
 
     if depth > 64:  # no file glmkit reads nests deeper; not worth walking
         return
     if isinstance(value, dict):
         for key, item in value.items():
-            name = key if isinstance(key, str) and key.isidentifier() else f"[{key!r}]"
-            check_loaded_tensors(item, file, f"{place}.{name}" if place and name[0] != "[" else place + name,
-                                 depth + 1)
+            name = key if isinstance(key, str) and key.isidentifier() else f"[{str(key)[:40]!r}]"
+            _check_tensors(item, file, f"{place}.{name}" if place and name[0] != "[" else place + name, depth + 1,
+                           expanded)
     elif isinstance(value, (list, tuple)):
         for i, item in enumerate(value):
-            check_loaded_tensors(item, file, f"{place}[{i}]", depth + 1)
+            _check_tensors(item, file, f"{place}[{i}]", depth + 1, expanded)
     elif isinstance(value, torch.Tensor):
         where = f"{file}: {place}" if place else file
         if value.is_meta:
             raise ValueError(f"{where}: a meta (data-less) tensor; the file must hold the values")
-        if value.layout != torch.strided:
-            raise ValueError(f"{where}: a {value.layout} tensor; glmkit reads dense tensors")
-        declared = value.numel() * value.element_size()
-        stored = value.untyped_storage().nbytes()
-        if declared > stored and declared > MAX_EXPANDED_BYTES:
-            raise ValueError(f"{where}: an expanded view of {value.numel()} elements ({declared} bytes) over "
-                             f"{stored} stored bytes; glmkit materialises such views up to "
-                             f"{MAX_EXPANDED_BYTES // 2**20} MiB")
+        if value.is_nested or value.is_quantized or value.layout != torch.strided:
+            kind = "nested" if value.is_nested else "quantized" if value.is_quantized else str(value.layout)
+            raise ValueError(f"{where}: a {kind} tensor; glmkit reads dense tensors")
+        stored = value.untyped_storage().nbytes() // max(1, value.element_size())
+        if value.numel() > stored:
+            expanded[0] += value.numel()
+            if expanded[0] > MAX_EXPANDED_ELEMENTS:
+                raise ValueError(f"{where}: an expanded view of {value.numel()} elements over {stored} stored "
+                                 f"({expanded[0]} in the file's expanded views so far); glmkit reads such views up "
+                                 f"to {MAX_EXPANDED_ELEMENTS} elements in all")

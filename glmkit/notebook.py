@@ -418,6 +418,8 @@ def parse_value(text: str):
         return json.loads(text)
     except json.JSONDecodeError:
         return text
+    except RecursionError:
+        raise ValueError(f"a parameter value nested past {sys.getrecursionlimit()} levels: {text[:40]}...") from None
 
 
 def cmd_report(args) -> int:

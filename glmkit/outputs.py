@@ -15,10 +15,12 @@ Rules:
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import re
 import shutil
 import socket
+import stat
 import sys
 import tempfile
 import time
@@ -354,6 +356,9 @@ def move_into_place(staged: Path, target: Path) -> None:
         old.unlink()
 
 
+LOCK_TEXT_CHARS = 200  # a lock file holds one short line: pid, host, start time
+
+
 class RunLock:
     """An advisory lock on an output (a file or a directory) while a command writes it:
     `.NAME.glmkit-lock` beside it, held with flock and naming its holder (pid, host, start time).
@@ -362,9 +367,30 @@ class RunLock:
     process cannot be checked, is refused until its holder ends or a user removes the file."""
 
     def __init__(self, target, flag: str):
-        self.target, self.flag = Path(os.path.abspath(target)), flag
+        # one lock per output, however its path is spelled: a link to the same folder finds the same lock
+        self.target, self.flag = Path(os.path.realpath(os.path.abspath(target))), flag
         self.path = self.target.with_name(f".{self.target.name}.glmkit-lock")
         self.handle = None
+
+    def _open(self):
+        """The lock file, opened without following a link, and only when it is a regular file (a link,
+        a FIFO or a folder in its place is someone else's: refused by what it is, never written)."""
+        flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+        try:
+            fd = os.open(self.path, flags, 0o644)
+        except OSError as err:
+            if err.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO) or self.path.is_symlink():
+                what = "a symbolic link" if self.path.is_symlink() else not_a_file(self.path) or "not a file"
+                raise ValueError(f"{self.flag} {self.target}: its lock file {self.path} is {what.removeprefix('is ')}"
+                                 f", not glmkit's; remove it if no run holds it") from None
+            raise
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise ValueError(f"{self.flag} {self.target}: its lock file {self.path} is "
+                             f"{(not_a_file(self.path) or 'not a regular file').removeprefix('is ')}, not glmkit's; "
+                             f"remove it if no run holds it")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "r+", encoding="utf-8", errors="replace")
 
     def __enter__(self):
         import fcntl
@@ -372,9 +398,10 @@ class RunLock:
 
         self.path.parent.mkdir(parents=True, exist_ok=True)
         for _ in range(100):
-            handle = open(self.path, "a+")
+            handle = self._open()
             handle.seek(0)
-            before = handle.read().strip()
+            # what a lock file says is shown to the user: a short line of printable text at most
+            before = "".join(c for c in handle.read(LOCK_TEXT_CHARS) if c.isprintable()).strip()
             try:
                 fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:

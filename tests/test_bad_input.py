@@ -1046,3 +1046,28 @@ def test_a_fault_in_an_arguments_type_function_is_an_internal_error(monkeypatch,
                           "saved to "), err
     saved = Path(err.split("traceback saved to ")[1].split(";")[0])
     assert "ZeroDivisionError" in saved.read_text()
+
+
+def test_hostile_pass_6_inputs_are_refused_by_name(tmp_path, capsys):
+    """Hostile pass 6: each of these ended in exit 3 (an overflow inside torch, requests' InvalidURL, a
+    RecursionError, open()'s 'embedded null byte'). Each is now refused by the input it names."""
+    import glmkit.cli as cli
+    from glmkit.launch.launcher import parse_extra_env_vars
+    from glmkit.notebook import parse_value
+    from glmkit.serve.client import check_server_url
+
+    with pytest.raises(SystemExit) as refused:
+        cli.main(["train", "--num-rollout", str(10 ** 26), "--metrics-out", str(tmp_path / "m.jsonl")])
+    assert refused.value.code == 2 and "argument --num-rollout: must be at most 4611686018427387904" in capsys.readouterr().err
+    from glmkit.rl.loop import TrainConfig
+
+    with pytest.raises(ValueError, match="at most 1048576 tokens"):
+        TrainConfig(rollout_max_response_len=1 << 30).resolved()
+    with pytest.raises(ValueError, match="host '%zz' is not a host name or an IP address"):
+        check_server_url("http://%zz")
+    deep = "[" * 100_000 + "]" * 100_000
+    assert parse_extra_env_vars("A=1") == {"A": "1"}
+    with pytest.raises(ValueError, match="pair"):  # deep JSON is read as K=V pairs: refused as one
+        parse_extra_env_vars(deep)
+    with pytest.raises(ValueError, match="nested past"):
+        parse_value(deep)

@@ -81,6 +81,41 @@ def test_a_stale_lock_is_taken_over_and_another_hosts_is_refused(tmp_path):
         RunLock(target, "--out").__enter__()
 
 
+def test_a_lock_file_that_is_a_link_a_fifo_or_a_folder_is_refused_and_links_share_one_lock(tmp_path):
+    """Hostile pass 6: a lock file replaced by a symlink had its target truncated and overwritten (and its
+    first bytes printed); a FIFO was exit 3; an output reached through a linked folder took a second
+    lock of its own, so two runs wrote one folder. Now the lock never follows a link, refuses what is
+    not a regular file by name, and is found through the output's real path."""
+    victim = tmp_path / "precious.txt"
+    victim.write_text("the user's data\n" * 100)
+    target = tmp_path / "run"
+    lock_file = tmp_path / ".run.glmkit-lock"
+    lock_file.symlink_to(victim)
+    with pytest.raises(ValueError, match=r"its lock file .* is a symbolic link, not glmkit's"):
+        RunLock(target, "--save").__enter__()
+    assert victim.read_text() == "the user's data\n" * 100
+    lock_file.unlink()
+    os.mkfifo(lock_file)
+    with pytest.raises(ValueError, match=r"is a named pipe \(FIFO\), not glmkit's"):
+        RunLock(target, "--save").__enter__()
+    lock_file.unlink()
+    lock_file.mkdir()
+    with pytest.raises(ValueError, match="is a directory, not glmkit's"):
+        RunLock(target, "--save").__enter__()
+    lock_file.rmdir()
+    target.mkdir()
+    (tmp_path / "alias").symlink_to(target)
+    with RunLock(target, "--save"):
+        with pytest.raises(ValueError, match="in use by another glmkit run"):
+            RunLock(tmp_path / "alias", "--save").__enter__()
+    lock_file.write_bytes(b"\xff\xfe" + b"x" * 100000)  # not text, and long: read short and printable
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with RunLock(target, "--save"):
+            pass
+    assert all(len(str(w.message)) < 400 for w in caught)
+
+
 def glmkit(*args, env=None):
     return subprocess.run([sys.executable, "-m", "glmkit", *map(str, args)], capture_output=True, text=True,
                           cwd=ROOT, timeout=300, env={**os.environ, **(env or {})})

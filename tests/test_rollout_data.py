@@ -277,9 +277,17 @@ def test_the_reference_head_in_chunks_equals_one_pass(rollout_file, monkeypatch)
      r"tokens: a meta \(data-less\) tensor"),
     # Hostile pass 5: 2**31 elements over one stored element; reading them ran the machine out of memory.
     (lambda d: d["samples"][0].update(tokens=torch.ones(1, dtype=torch.long).expand(2 ** 31)),
-     r"samples\[0\]\.tokens: an expanded view of 2147483648 elements \(17179869184 bytes\) over 8 stored bytes"),
+     r"samples\[0\]\.tokens: an expanded view of 2147483648 elements over 1 stored"),
     (lambda d: d["samples"][0].update(rollout_log_probs=torch.zeros(1).expand(2 ** 30)),
      r"rollout_log_probs: an expanded view"),
+    # Hostile pass 6: the bound counted bytes (an int8 view of 2**28 passed, then widened to int64) and
+    # views one at a time (12 of 2**25 each passed); quantized tensors ended in exit 3
+    (lambda d: d["samples"][0].update(tokens=torch.ones(1, dtype=torch.int8).expand(2 ** 28)),
+     r"tokens: an expanded view of 268435456 elements"),
+    (lambda d: d.update(samples=[dict(d["samples"][0], tokens=torch.ones(1, dtype=torch.long).expand(2 ** 23))
+                                 for _ in range(12)]), r"in the file's expanded views so far"),
+    (lambda d: d["samples"][0].update(tokens=torch.quantize_per_tensor(torch.ones(4), 1.0, 0, torch.quint8)),
+     r"tokens: a quantized tensor; glmkit reads dense tensors"),
 ])
 def test_values_the_report_writes_are_plain_or_refused_before_any_model_runs(tmp_path, edit, message):
     """Hostile pass 4: these ended in exit 3 (a TypeError writing the JSON, after every sample was

@@ -281,3 +281,30 @@ def test_views_show_tied_rows(tie_ckpt):
     assert heights[sorted(agreement).index(layer)] == pytest.approx(agreement[layer]["tied"])
     banner = VerdictBanner(result).text
     assert banner.startswith("PASS") and "top-k replay:" in banner and "differ only by ties" in banner
+
+
+def test_a_selections_file_that_is_a_pipe_or_a_bad_npy_is_refused_by_name(tmp_path):
+    """Hostile pass 6: a FIFO as --replay-topk-from hung parity (a .safetensors one ignored SIGTERM);
+    .npy files with an object dtype, a header declaring more than the file holds, or a truncated
+    header ended in exit 3. Each is a ValueError naming the file."""
+    import os
+
+    import numpy as np
+
+    config = variant_config("tiny")
+    os.mkfifo(tmp_path / "pipe.safetensors")
+    with pytest.raises(ValueError, match=r"pipe.safetensors: is a named pipe \(FIFO\); a selections file"):
+        read_selections(tmp_path / "pipe.safetensors", config)
+    np.save(tmp_path / "floats.npy", np.zeros((4, 1, 2), dtype=np.float32))
+    good = np.zeros((4, 1, 2), dtype=np.int32)
+    np.save(tmp_path / "good.npy", good)
+    raw = (tmp_path / "good.npy").read_bytes()
+    # the header declares 10^10 rows (padded to the same length); the file holds 4
+    header_end = raw.index(b"\n") + 1
+    huge_header = raw[:header_end].replace(b"(4, 1, 2), }", b"(10000000000, 1, 2), }").replace(b"          \n", b"\n")
+    (tmp_path / "huge.npy").write_bytes(huge_header + raw[header_end:])
+    (tmp_path / "cut.npy").write_bytes(raw[:20])
+    for name in ("floats.npy", "huge.npy", "cut.npy"):
+        with pytest.raises(ValueError, match=f"{name}: not a readable selections file"):
+            read_selections(tmp_path / name, config)
+    assert read_selections(tmp_path / "good.npy", config)[3].shape == (4, 2)

@@ -437,3 +437,36 @@ def test_held_out_evaluation_before_every_interval_and_at_the_end(tmp_path):
 
     with pytest.raises(ValueError, match="prompts are also training prompts"):
         GRPOTrainer(tiny(tmp_path / "x", eval_prompt_data=str(ASSETS / "arith" / "train.jsonl")))
+
+
+def test_resume_and_overwrite_never_remove_what_glmkit_did_not_write(tmp_path):
+    """Hostile pass 6: --resume deleted an iter_* it was about to save into (a folder the user made, with
+    their file); --overwrite deleted a folder named latest_checkpointed_iteration.txt with its contents,
+    and a folder added inside a checkpoint; --metrics-out inside --save lost every row. Each is refused
+    by name, before any work, and nothing is removed."""
+    kw = dict(num_rollout=1, rollout_batch_size=4, global_batch_size=32, save=str(tmp_path / "s"))
+    GRPOTrainer(tiny(tmp_path, **kw)).run()
+    mine = tmp_path / "s" / "iter_0000001"
+    mine.mkdir()
+    (mine / "thesis.tex").write_text("mine")
+    with pytest.raises(ValueError, match=r"iter_0000001, which this resumed run would write again, holds what glmkit "
+                                         r"did not write"):
+        GRPOTrainer(tiny(tmp_path, resume=True, **{**kw, "num_rollout": 2}))
+    assert (mine / "thesis.tex").read_text() == "mine"
+    import shutil
+
+    shutil.rmtree(mine)
+    (tmp_path / "s" / "iter_0000000" / "model" / "notes").mkdir()
+    with pytest.raises(ValueError, match=r"iter_0000000/model/notes.* added after glmkit wrote the checkpoint"):
+        GRPOTrainer(tiny(tmp_path, overwrite=True, **kw))
+    (tmp_path / "s" / "iter_0000000" / "model" / "notes").rmdir()
+    marker = tmp_path / "s" / "latest_checkpointed_iteration.txt"
+    marker.unlink()
+    marker.mkdir()
+    (marker / "keep.txt").write_text("mine")
+    with pytest.raises(ValueError, match="latest_checkpointed_iteration.txt is a directory, not the marker"):
+        GRPOTrainer(tiny(tmp_path, overwrite=True, **kw))
+    assert (marker / "keep.txt").read_text() == "mine"
+    with pytest.raises(ValueError, match="--metrics-out .* is inside --save"):
+        GRPOTrainer(TrainConfig(model_name="tiny", metrics_out=str(tmp_path / "s" / "m.jsonl"), progress=False,
+                                **{**kw, "save": str(tmp_path / "s")}))

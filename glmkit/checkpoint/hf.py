@@ -240,7 +240,7 @@ def _sharded_tensor_map(index_file: Path) -> dict[str, TensorInfo]:
         if not isinstance(shard, str):
             raise CheckpointError(f"{index_file}: weight_map entry for tensor {name} is {shard!r}, "
                                   f"expected a shard file name")
-        if not shard or shard in (".", "..") or "/" in shard or "\\" in shard:
+        if not shard or shard in (".", "..") or "/" in shard or "\\" in shard or "\x00" in shard:
             raise CheckpointError(f"{index_file}: shard path {shard!r} for tensor {name} is not a file name inside "
                                   f"the checkpoint directory; refused without opening it")
     shard_names = sorted(set(weight_map.values()))

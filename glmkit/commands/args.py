@@ -36,13 +36,16 @@ def _backend_arguments(p):
                    help="fused elementwise kernels (torch.compile): auto (on CUDA), on, off (eager reference)")
 
 
-def _int_at_least(least: int, name: str, most: int | None = None):
+def _int_at_least(least: int, name: str, most: int | None = None, sanity_cap: bool = False):
     """An argparse type: an int >= `least` (and <= `most`); `name` is what argparse calls a value it
-    cannot parse."""
+    cannot parse. `sanity_cap`: `most` only stops typos, so each bound is named on its own side."""
     def parse(text: str) -> int:
         value = ascii_int(text)
         if value < least or (most is not None and value > most):
-            bound = f"in {least}..{most}" if most is not None else f">= {least}"
+            if most is None or (sanity_cap and value < least):
+                bound = f">= {least}"
+            else:
+                bound = f"at most {most}" if sanity_cap else f"in {least}..{most}"
             raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
         return value
     parse.__name__ = name
@@ -75,17 +78,12 @@ MAX_LORA_RANK = 1 << 16  # far above any projection's smaller side; past it the 
 MAX_DECODE_STEPS = 1 << 16
 
 
-_positive = _int_at_least(1, "positive integer")
-
-
-_integer = _int_at_least(-(1 << 63), "integer")
-
-
+# counts and sizes past 2^62 are typos; beyond 2^63 they would overflow inside torch or numpy
+_positive = _int_at_least(1, "positive integer", 1 << 62, sanity_cap=True)
+_integer = _int_at_least(-(1 << 63), "integer", (1 << 63) - 1, sanity_cap=True)
 # torch and numpy seed from a signed 64-bit int; a larger seed fails deep inside a run
 _seed = _int_at_least(0, "seed", (1 << 63) - 1)
-
-
-_non_negative = _int_at_least(0, "non-negative integer")
+_non_negative = _int_at_least(0, "non-negative integer", 1 << 62, sanity_cap=True)
 
 
 def _gpu_fraction(text: str) -> float:

@@ -228,7 +228,7 @@ def parse_extra_env_vars(text: str) -> dict:
         return {}
     try:
         value = json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON (or nested past Python's stack): read as K=V pairs
         value = None
     if isinstance(value, dict):
         return {str(k): str(v) for k, v in value.items()}

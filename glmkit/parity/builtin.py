@@ -50,6 +50,9 @@ def capture_path(path: str, checkpoint, sequences, prompt_lengths, dtype=torch.f
         return capture_rollout(load_model(checkpoint, dtype, device), sequences, prompt_lengths, backends,
                                topk_replay=topk_replay, **meta)
     if path.startswith(SGLANG_PREFIX):
+        from glmkit.serve.client import check_server_url
+
+        check_server_url(path[len(SGLANG_PREFIX):])
         from glmkit.checkpoint import open_checkpoint
         from glmkit.parity.capture import capture_sglang
 

@@ -169,24 +169,32 @@ def read_selections(path, config) -> dict:
 
     from glmkit.config import layer_kinds
 
+    from glmkit.inputs import not_a_file
+
     path = Path(path)
     layers = None
     if path.suffix not in (".safetensors", ".npy"):
         raise ValueError(f"{path}: selections must be .safetensors or .npy, got {path.suffix or 'no suffix'!r}")
+    if (why := not_a_file(path)) is not None:  # a pipe or a device would block the reader or never end
+        raise ValueError(f"{path}: {why}; a selections file is a regular file")
+    keys = None
     try:
         if path.suffix == ".safetensors":
             with safe_open(str(path), framework="pt") as f:
                 keys = list(f.keys())
-                if "indexer_topk" not in keys:
-                    raise ValueError(f"{path}: no tensor 'indexer_topk' (found: {', '.join(keys) or 'none'})")
-                array = f.get_tensor("indexer_topk")
+                array = f.get_tensor("indexer_topk") if "indexer_topk" in keys else None
                 layers = f.get_tensor("layers").tolist() if "layers" in keys else None
         else:
-            array = torch.from_numpy(np.load(path, allow_pickle=False))
-    except ValueError:
-        raise
+            # mapped, not read: a header that declares more than the file holds is refused, not allocated
+            mapped = np.load(path, allow_pickle=False, mmap_mode="r")
+            if not isinstance(mapped, np.ndarray) or mapped.dtype not in (np.int32, np.int64):
+                raise ValueError(f"int32 or int64 array expected, got {getattr(mapped, 'dtype', type(mapped).__name__)}")
+            array = torch.from_numpy(np.array(mapped))
     except Exception as err:  # noqa: BLE001 - safetensors' and numpy's errors for a corrupt file, named
-        raise ValueError(f"{path}: not a readable selections file ({type(err).__name__}: {err})") from None
+        first = (str(err).splitlines() or [""])[0][:200]
+        raise ValueError(f"{path}: not a readable selections file ({type(err).__name__}: {first})") from None
+    if array is None:
+        raise ValueError(f"{path}: no tensor 'indexer_topk' (found: {', '.join(keys) or 'none'})")
     if array.dim() != 3 or array.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"{path}: expected int32 [tokens, DSA layers, k], got {array.dtype} {list(array.shape)}")
     if array.numel() and (int(array.min()) < -1 or int(array.max()) >= array.shape[0]):

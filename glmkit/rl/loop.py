@@ -36,6 +36,7 @@ ASSETS = Path(__file__).resolve().parents[1] / "assets"
 # `--optimizer adam --lr-decay-style constant --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.98`);
 # Megatron's own defaults differ (beta2 0.999, weight decay 0.01, linear decay). The LoRA launcher also
 # passes `--calculate-per-token-loss` (see TrainConfig.resolved).
+MAX_RESPONSE_LEN = 1 << 20  # tokens one response may reach (the recipe's runs use 4096 - 65536)
 EVAL_SEED_OFFSET = 1 << 40  # evaluation samples with seeds no training rollout uses
 # A sample whose grader raised (the framework's run would stop) counts as a miss: its lowest score.
 MISS_SCORE = {"deepscaler": 0.0, "math": 0.0, "dapo": -1.0}
@@ -169,6 +170,9 @@ class TrainConfig:
                      "max_nonfinite_steps", "rollout_max_response_len"):
             if getattr(cfg, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
+        if cfg.rollout_max_response_len > MAX_RESPONSE_LEN:
+            raise ValueError(f"--rollout-max-response-len {cfg.rollout_max_response_len}: at most {MAX_RESPONSE_LEN} "
+                             f"tokens (the decode caches are sized by it)")
         # checked here, before the model loads: an Inf / NaN would only show up in sampling or as skipped steps
         for name in ("lr", "rollout_temperature", "rollout_top_p", "eps_clip", "eps_clip_high", "kl_loss_coef",
                      "entropy_coef", "lora_alpha"):
@@ -294,7 +298,12 @@ def _save_checkpoint(cfg, state: TrainState | int, policy, optimizer, lora_names
         record_entries(staging)  # what --overwrite may later remove: these names, nothing added since
         if final.is_symlink():
             final.unlink()  # the link only: what it points to is not glmkit's to replace
-        elif final.exists():
+        elif final.exists():  # a later checkpoint of this run (the latest marker was rolled back): glmkit's own only
+            foreign = [final.name] if not final.is_dir() or not is_glmkit_output(final) else _checkpoint_additions(final)
+            if foreign:
+                raise ValueError(f"--save {root}: {final.name} already exists and holds what glmkit did not write "
+                                 f"({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}); the checkpoint "
+                                 f"is not replaced: move it away and resume again")
             shutil.rmtree(final)
         os.replace(staging, final)
     except BaseException:
@@ -377,6 +386,20 @@ def _inputs(cfg) -> dict:
     return {"--prompt-data": cfg.prompt_data, "--checkpoint": cfg.checkpoint, "--tokenizer": cfg.tokenizer}
 
 
+def _checkpoint_additions(folder: Path) -> list[str]:
+    """What a training checkpoint (iter_*) holds that glmkit did not write there: entries added after
+    it was written, at any depth; a folder glmkit did not mark (a recorded file replaced by a folder);
+    a marked folder whose marker lists nothing (it cannot tell what else was put there)."""
+    found = [f"{folder.name}/{name}" for name in added_entries(folder)]
+    for entry in [folder, *(p for p in folder.rglob("*") if p.is_dir() and not p.is_symlink())]:
+        shown = f"{folder.name}/{entry.relative_to(folder)}" if entry != folder else folder.name
+        if not is_glmkit_output(entry):
+            found.append(f"{shown}/ (a folder glmkit did not write)")
+        elif not any(line.startswith("entry: ") for line in read_marker(entry / MARKER, 1 << 20).splitlines()):
+            found.append(f"{shown}/ (its marker lists none of its entries)")
+    return sorted(set(found))
+
+
 def _claim_outputs(cfg) -> list[str]:
     """Refuse to start over an earlier run's metrics or checkpoints unless told to; with --overwrite,
     clear what glmkit wrote there (the metrics file, iter_* and the latest marker). -> notes to print."""
@@ -390,8 +413,17 @@ def _claim_outputs(cfg) -> list[str]:
         refuse_input_as_output(save, "--save", _inputs(cfg))
     if save is not None:
         check_dir_out(save, "--save", whole=False)
+    if save is not None and os.path.realpath(metrics).startswith(os.path.realpath(save) + os.sep):
+        raise ValueError(f"--metrics-out {metrics} is inside --save {save}: the checkpoint folder holds only "
+                         f"checkpoints; give the metrics file another place")
     checkpoints = sorted(save.glob("iter_*")) + [m for m in [save / "latest_checkpointed_iteration.txt"]
-                                                  if m.exists()] if save is not None and save.is_dir() else []
+                                                  if m.exists() or m.is_symlink()] if save is not None and save.is_dir() else []
+    marker = save / "latest_checkpointed_iteration.txt" if save is not None else None
+    if marker is not None and (marker.exists() or marker.is_symlink()) and (
+            marker.is_symlink() or not marker.is_file()):
+        what = "a symbolic link" if marker.is_symlink() else (not_a_file(marker) or "not a file").removeprefix("is ")
+        raise ValueError(f"--save {save}: latest_checkpointed_iteration.txt is {what}, not the marker glmkit "
+                         f"writes; move it away first")
     if cfg.resume:  # the run's own metrics file is cut back and appended to: never another file
         if metrics.exists() or metrics.is_symlink():
             refuse_replacing(metrics, "--metrics-out", "metrics file", _inputs(cfg), action="--resume appends to")
@@ -418,8 +450,8 @@ def _claim_outputs(cfg) -> list[str]:
     # only a marked iter_* is removed: an unmarked one holding state.json and optimizer.safetensors may be
     # an older glmkit's, but may as well be anyone's (resume still reads it)
     foreign = [p.name for p in checkpoints if p.name.startswith("iter_") and not is_glmkit_output(p)]
-    added = [f"{p.name}/{name}" for p in checkpoints if p.name.startswith("iter_") and is_glmkit_output(p)
-             for name in added_entries(p)]
+    added = [name for p in checkpoints if p.name.startswith("iter_") and is_glmkit_output(p)
+             for name in _checkpoint_additions(p)]
     if added:
         raise ValueError(f"--save {save}: {', '.join(added[:3])}{', ...' if len(added) > 3 else ''} added after glmkit "
                          f"wrote the checkpoint; --overwrite removes only what glmkit wrote: move them away first")
@@ -648,6 +680,7 @@ class GRPOTrainer:
         self.state = TrainState()
         if latest is not None:
             self.state = self._resume(latest)
+            self._check_later_checkpoints()
         if cfg.resume and self.lead:
             self.notes += _truncate_metrics(Path(cfg.metrics_out), self.state.step)
         self.stop_ids = [t for t in (self.tokenizer.eos_token_id,) if t is not None]
@@ -658,6 +691,21 @@ class GRPOTrainer:
         shared = {id(p): p for p in model.parameters() if not p.requires_grad}
         shared |= {id(b): b for b in model.buffers()}
         return copy.deepcopy(model, memo=shared)
+
+    def _check_later_checkpoints(self):
+        """Resuming from a rolled-back marker rewrites the later iter_* of the run: refused before any
+        work when one of them holds what glmkit did not write (it would be replaced at its save)."""
+        root = Path(self.cfg.save)
+        for folder in sorted(root.glob("iter_*")):
+            number = folder.name.removeprefix("iter_")
+            if not (number.isascii() and number.isdigit()) or int(number) < self.state.step:
+                continue
+            foreign = ([folder.name] if folder.is_symlink() or not folder.is_dir() or not is_glmkit_output(folder)
+                       else _checkpoint_additions(folder))
+            if foreign:
+                raise ValueError(f"--save {root}: {folder.name}, which this resumed run would write again, holds what "
+                                 f"glmkit did not write ({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''})"
+                                 f"; move it away first")
 
     @property
     def start_step(self) -> int:

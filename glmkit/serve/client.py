@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import os
+import re
 import time
 from pathlib import Path
 
@@ -35,6 +36,8 @@ def check_server_url(url: str) -> None:
         raise ValueError(f"server URL {url!r} is malformed ({err}); expected http://HOST:PORT") from None
     if not parts.hostname:
         raise ValueError(f"server URL {url!r} names no host; expected http://HOST:PORT")
+    if not re.fullmatch(r"[A-Za-z0-9.\-:]+", parts.hostname):  # a name, an IPv4 or a bracketed IPv6 address
+        raise ValueError(f"server URL {url!r}: host {parts.hostname!r} is not a host name or an IP address")
     if port is not None and not 1 <= port <= 65535:
         raise ValueError(f"server URL {url!r}: port {port} outside 1..65535")
 
