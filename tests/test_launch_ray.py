@@ -66,9 +66,9 @@ def test_builtin_backend_on_ray_equals_the_in_process_run(client, tiny_ckpt, tmp
     result = jobs.follow(client, job, metrics_out=tmp_path / "followed.jsonl", on_log=logs.append, poll=0.5,
                          timeout=600)
     assert result.ok, result.summary()
-    assert result.done == {"rows": 4}
+    assert result.done == {"rows": 6}  # 2 rollouts x (a train and a rollout row), and 2 held-out evaluations
     local = GRPOTrainer(TrainConfig(**tiny_fields(tiny_ckpt, tmp_path / "local.jsonl"))).run()
-    assert len(result.rows) == len(local) == 4
+    assert len(result.rows) == len(local) == 6
     for ours, theirs in zip(result.rows, local):
         keys = {k for k in theirs if not k.startswith("perf/")}
         assert keys == {k for k in ours if not k.startswith("perf/")}
@@ -76,10 +76,10 @@ def test_builtin_backend_on_ray_equals_the_in_process_run(client, tiny_ckpt, tmp
             assert ours[k] == pytest.approx(theirs[k], rel=1e-4, abs=1e-6), k
     # the follower's store and the trainer's own file hold the same rows
     assert [r["step"] for r in read_metrics(tmp_path / "followed.jsonl")] == [r["step"] for r in local]
-    assert len(read_metrics(tmp_path / "ray" / "metrics.jsonl")) == 4
+    assert len(read_metrics(tmp_path / "ray" / "metrics.jsonl")) == 6
     # following again (a notebook restarted) adds nothing twice
     again = jobs.follow(client, job, metrics_out=tmp_path / "followed.jsonl", poll=0.1, timeout=30)
-    assert again.ok and len(read_metrics(tmp_path / "followed.jsonl")) == 4
+    assert again.ok and len(read_metrics(tmp_path / "followed.jsonl")) == 6
 
 
 def test_separate_data_parallel_trainers_and_a_weights_update_group(client, tiny_ckpt, tmp_path):
@@ -94,7 +94,7 @@ def test_separate_data_parallel_trainers_and_a_weights_update_group(client, tiny
                                              "separate"), poll=0.5, timeout=600)
     assert result.ok, result.summary()
     local = GRPOTrainer(TrainConfig(**tiny_fields(tiny_ckpt, tmp_path / "local.jsonl"))).run()
-    assert len(result.rows) == len(local) == 4  # rank 0 alone prints rows
+    assert len(result.rows) == len(local) == 6  # rank 0 alone prints rows (evaluations included)
     for ours, theirs in zip(result.rows, local):
         keys = {k for k in theirs if not k.startswith("perf/")}
         assert keys == {k for k in ours if not k.startswith("perf/")}

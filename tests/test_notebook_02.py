@@ -64,7 +64,9 @@ def test_smoke_grpo_metrics_and_verdict_json(smoke_run):
     assert [m["rollout/step"] for m in rollouts] == list(range(ROLLOUTS))
     assert [m["train/step"] for m in steps] == list(range(4 * ROLLOUTS))  # tiny: 4 optimizer steps a rollout
     for m in rollouts:
-        assert {n for n in set(DEFAULT_METRICS) | set(HEALTHY_FULL) if not n.startswith("train/")} <= set(m)
+        assert {n for n in set(DEFAULT_METRICS) | set(HEALTHY_FULL) if not n.startswith(("train/", "eval/"))} <= set(m)
+    evals = [m for m in lines if "eval/step" in m]  # the held-out evaluation: before training and at the end
+    assert [m["eval/step"] for m in evals] == [0, ROLLOUTS] and all("eval/raw_reward" in m for m in evals)
     for m in steps:
         assert {n for n in set(DEFAULT_METRICS) | set(HEALTHY_FULL) if n.startswith("train/")} <= set(m)
     verdict = json.loads((out / "verdict.json").read_text())

@@ -49,7 +49,7 @@ def test_two_launch_notebooks_side_by_side_on_a_local_ray_cluster_both_pass(tmp_
         text = pages[name].read_text()
         verdict = json.loads((out / "verdict.json").read_text())
         assert verdict["verdict"] == "pass", verdict["reasons"]
-        assert verdict["job_status"] == "SUCCEEDED" and verdict["metric_rows"] == 3 * 2  # a train and a rollout row each
+        assert verdict["job_status"] == "SUCCEEDED" and verdict["metric_rows"] == 3 * 2 + 2  # a train and a rollout row each, 2 evaluations
         assert verdict["shape"]["name"] == "full-16x4" and verdict["plan"]["layout"]["engines"] == 8
         assert all(c["ok"] for c in verdict["preflight"]) and len(verdict["preflight"]) >= 9
         assert "scripts/run_glm5_3_flash.py \\" in text and "convert_hf_to_torch_dist.py" in text

@@ -193,8 +193,10 @@ def test_sizes_are_bounded_before_anything_is_allocated(tmp_path):
 
     from glmkit.rl.data import MAX_ROW_BYTES, load_prompts
 
-    huge = glmkit("parity", "--checkpoint", ROOT / "glmkit/assets/tiny_start", "--batch", 10 ** 30)
+    huge = glmkit("parity", "--checkpoint", ROOT / "glmkit/assets/tiny_start", "--batch", 10 ** 12)
     assert huge.returncode == 2 and "tokens need at least" in huge.stderr and "GiB free" in huge.stderr
+    typo = glmkit("parity", "--checkpoint", ROOT / "glmkit/assets/tiny_start", "--batch", 10 ** 30)
+    assert typo.returncode == 2 and "argument --batch: must be at most 4611686018427387904" in typo.stderr
     data = tmp_path / "rows.jsonl"
     with open(data, "w") as f:
         f.write(json.dumps({"prompt": "x" * (3 * MAX_ROW_BYTES), "label": "1"}) + "\n")

@@ -46,7 +46,8 @@ def test_two_gloo_ranks_train_as_one_process(tmp_path):
     assert out.stdout.count("run verdict:") == 1  # rank 0 reports, rank 1 stays quiet
     one = [json.loads(line) for line in open(tmp_path / "one.jsonl")]
     two = [json.loads(line) for line in open(tmp_path / "two.jsonl")]
-    assert len(one) == len(two) == 10  # 2 rollouts x (4 optimizer steps + the rollout row)
+    # 2 rollouts x (4 optimizer steps + the rollout row), and the held-out evaluations before and after
+    assert len(one) == len(two) == 12
     for a, b in zip(one, two):
         assert a.keys() == b.keys()
         for key, want in a.items():
@@ -97,7 +98,8 @@ def test_an_optimizer_step_all_reduces_its_metrics_in_one_call(tmp_path, monkeyp
         dist.destroy_process_group()
     steps = sum("train/step" in r for r in ranked)
     buckets = len(_buckets(list(trainer.trainable), BUCKET_BYTES))
-    assert steps >= 2 and len(calls) == steps * (2 + buckets), (steps, buckets, calls)
+    # plus one call a rollout: its log-prob and advantage means (rollout/log_probs, ..., over every rank)
+    assert steps >= 2 and len(calls) == steps * (2 + buckets) + 1, (steps, buckets, calls)
     assert len(alone) == len(ranked)
     first = True
     for a, b in zip(alone, ranked):
