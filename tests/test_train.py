@@ -176,8 +176,8 @@ def test_metrics_are_logged_per_optimizer_step_and_per_rollout(tmp_path):
     trainer = GRPOTrainer(tiny(tmp_path, num_rollout=2))  # preset: 16 x 8 samples, steps of 32 -> 4 per rollout
     history = trainer.run()
     assert history == read_metrics(tmp_path / "metrics.jsonl")
-    kinds = ["train" if "train/step" in h else "rollout" for h in history]
-    assert kinds == (["train"] * 4 + ["rollout"]) * 2
+    kinds = ["train" if "train/step" in h else "eval" if "eval/step" in h else "rollout" for h in history]
+    assert kinds == ["eval"] + (["train"] * 4 + ["rollout"]) * 2 + ["eval"]  # held-out: before and after
     steps = train_rows(history)
     assert [h["train/step"] for h in steps] == list(range(8))
     assert [h["rollout/step"] for h in steps] == [0] * 4 + [1] * 4
@@ -278,9 +278,10 @@ def test_resume_cuts_the_metrics_back_to_the_checkpoint(tmp_path):
     assert [h["step"] for h in rollout_rows(read_metrics(tmp_path / "metrics.jsonl"))] == [0, 1, 2]
     cfg = dataclasses.replace(cfg, num_rollout=4, resume=True)  # a TrainConfig is fixed: a changed copy
     resumed = GRPOTrainer(cfg)
-    assert resumed.start_step == 2 and any("moved 2 later metric rows" in n for n in resumed.notes)
+    # rollout 2's train and rollout rows, and the evaluation after it (3 rollouts done): all redone
+    assert resumed.start_step == 2 and any("moved 3 later metric rows" in n for n in resumed.notes)
     side = list(tmp_path.glob("metrics.jsonl.dropped-*"))
-    assert len(side) == 1 and [json.loads(line)["step"] for line in side[0].read_text().splitlines()] == [2, 2]
+    assert len(side) == 1 and [json.loads(line)["step"] for line in side[0].read_text().splitlines()] == [2, 2, 3]
     resumed.run()
     assert [h["step"] for h in rollout_rows(read_metrics(tmp_path / "metrics.jsonl"))] == [0, 1, 2, 3]
     # resuming into a file glmkit did not write (someone's rows) is refused before it is cut or appended to
@@ -385,7 +386,7 @@ def test_a_grader_error_is_said_and_scored_as_a_miss(tmp_path):
     would stop. glmkit says so once per rollout (how many samples, the first error) and scores each such
     sample as a miss (-1), counted in rollout/grader_errors."""
     data = tmp_path / "words.jsonl"
-    data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"{i}+1="}], "label": "two"}) + "\n"
+    data.write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"{i}*3="}], "label": "two"}) + "\n"
                             for i in range(4)))
     cfg = tiny(tmp_path, num_rollout=1, rollout_batch_size=4, global_batch_size=32, rm_type="dapo",
                prompt_data=str(data), prompt_pool=None)

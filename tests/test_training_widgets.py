@@ -25,6 +25,7 @@ def synthetic(step: int, **overrides) -> dict:
     metrics = {
         "step": step,
         "rollout/raw_reward": 0.3 + 0.05 * step,
+        "eval/raw_reward": 0.1 + 0.02 * step,
         "train/train_rollout_logprob_abs_diff": 0.008 + 1e-4 * step,
         "train/train_rollout_kl": 1e-5 * (step + 1),
         "train/routing_mismatch_frac": None,
@@ -91,7 +92,7 @@ def test_figure_has_one_axis_per_metric():
     view = LiveMetrics()
     view.extend(history(5))
     fig = view.figure()
-    assert len(fig.axes) == len(DEFAULT_METRICS) == 10
+    assert len(fig.axes) == len(DEFAULT_METRICS) == 11
     assert [ax.get_title().splitlines()[0] for ax in fig.axes] == list(DEFAULT_METRICS)
     for ax in fig.axes:
         assert len(series_line(ax).get_xdata()) == 5
