@@ -32,14 +32,14 @@ from glmkit.rl.lora import DEFAULT_EXCLUDE
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 
-# The optimizer as both GLM-5.3-Flash launchers set it (scripts/run_glm5_3_flash.py and _lora.py:
-# `--optimizer adam --lr-decay-style constant --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.98`);
-# Megatron's own defaults differ (beta2 0.999, weight decay 0.01, linear decay). The LoRA launcher also
-# passes `--calculate-per-token-loss` (see TrainConfig.resolved).
 MAX_RESPONSE_LEN = 1 << 20  # tokens one response may reach (the recipe's runs use 4096 - 65536)
 EVAL_SEED_OFFSET = 1 << 40  # evaluation samples with seeds no training rollout uses
 # A sample whose grader raised (the framework's run would stop) counts as a miss: its lowest score.
 MISS_SCORE = {"deepscaler": 0.0, "math": 0.0, "dapo": -1.0}
+# The optimizer as both GLM-5.3-Flash launchers set it (scripts/run_glm5_3_flash.py and _lora.py:
+# `--optimizer adam --lr-decay-style constant --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.98`);
+# Megatron's own defaults differ (beta2 0.999, weight decay 0.01, linear decay). The LoRA launcher also
+# passes `--calculate-per-token-loss` (see TrainConfig.resolved).
 LAUNCHER_OPTIMIZER = dict(adam_beta1=0.9, adam_beta2=0.98, weight_decay=0.1, lr_decay_style="constant")
 
 # Per --model-name defaults; anything given on the command line wins.
