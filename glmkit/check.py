@@ -44,12 +44,6 @@ def _prompts(config, seed: int) -> list[list[int]]:
     return [torch.randint(low, config.vocab_size, (n,), generator=g).tolist() for n in lengths]
 
 
-def _selections(capture, rows=None) -> dict:
-    """{DSA layer: [T, W] sequence-local selections} of a capture, optionally only these token rows."""
-    return {layer: t if rows is None else t[rows] for (layer, site), t in capture.tensors.items()
-            if site == "indexer_topk"}
-
-
 def _index_results(ref, ours, rows, config, limits: dict, tie: dict) -> list:
     """The reference's DSA selections (at token `rows`) against one glmkit path's, per layer."""
     results = []
@@ -68,6 +62,7 @@ def run_check(settings: CheckSettings, work_dir: Path) -> dict:
     from glmkit.checkpoint import open_checkpoint, synth_checkpoint
     from glmkit.config import describe
     from glmkit.model import RolloutEngine, SamplingParams, TrainPath, load_model
+    from glmkit.parity.builtin import selections_of
     from glmkit.parity.capture import capture_reference, capture_rollout, capture_train
     from glmkit.reference import load_reference
 
@@ -116,7 +111,7 @@ def run_check(settings: CheckSettings, work_dir: Path) -> dict:
     tied = sorted(set(tied_layers(selections["train"]) + tied_layers(selections["rollout"])))
     replay_note = None
     if tied:  # parity's automatic rule: like for like downstream of a tie
-        train, rollout = glmkit_paths(_selections(reference))
+        train, rollout = glmkit_paths(selections_of(reference))
         # judged again: each glmkit indexer still records its own choice, now from like-for-like inputs
         selections = judged(train, rollout)
         replay_note = (f"both glmkit paths replay the reference's DSA selections: ties were seen at layer(s) "

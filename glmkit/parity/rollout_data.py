@@ -69,13 +69,7 @@ def _load(path: Path, what: str):
     return loaded
 
 
-def _no_meta(value, where: str) -> None:
-    if isinstance(value, torch.Tensor) and value.is_meta:
-        raise ValueError(f"{where}: a meta (data-less) tensor; the framework saves its values")
-
-
 def _int_list(value, where: str) -> list[int]:
-    _no_meta(value, where)
     if hasattr(value, "tolist"):  # a tensor or a numpy array
         value = value.tolist()
     if not isinstance(value, (list, tuple)) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
@@ -91,7 +85,6 @@ def _floats(value: list, where: str) -> list[float]:
 
 
 def _float_list(value, n: int, where: str) -> list[float]:
-    _no_meta(value, where)
     if isinstance(value, torch.Tensor) or hasattr(value, "tolist"):
         value = value.tolist()
     if not isinstance(value, (list, tuple)) or not all(isinstance(v, (int, float)) for v in value):
