@@ -146,7 +146,7 @@ def test_the_models_flop_count_by_hand():
     (routed experts at top-k / n), plus DSA's 4 H R per selected key (min(topk, p + 1) keys), its
     indexer's 2 heads x dim per pool (ceil((p + 1) / kpool) pools) and KDA's per-token state terms."""
     from glmkit.config import variant_config
-    from glmkit.model.flops import KDA_CHUNK, _matmul_params_per_token, forward_flops, peak_bf16_tflops
+    from glmkit.model.flops import KDA_CHUNK, matmul_params_per_token, forward_flops, peak_bf16_tflops
     from glmkit.model.model import Glm5Model
 
     c = variant_config("tiny")
@@ -154,14 +154,14 @@ def test_the_models_flop_count_by_hand():
         params = dict(Glm5Model(c).named_parameters())
     experts = sum(p.numel() for n, p in params.items() if ".mlp.experts." in n)
     matrices = sum(p.numel() for n, p in params.items() if p.dim() >= 2 and not n.startswith("embed_tokens."))
-    assert _matmul_params_per_token(c) == matrices - experts + experts * c.num_experts_per_tok / c.n_routed_experts
+    assert matmul_params_per_token(c) == matrices - experts + experts * c.num_experts_per_tok / c.n_routed_experts
     L = 10
     selected = sum(min(c.index_topk, p + 1) for p in range(L))
     pools = sum(math.ceil((p + 1) / c.index_kpool) for p in range(L))
     kda = c.layer_types.count("linear_attention")
     dsa = len(c.layer_types) - kda  # tiny: 3 KDA layers and one DSA layer with its own (full) indexer
     d = c.linear_head_dim
-    want = (2 * _matmul_params_per_token(c) * L + dsa * 4 * c.num_attention_heads * c.kv_lora_rank * selected
+    want = (2 * matmul_params_per_token(c) * L + dsa * 4 * c.num_attention_heads * c.kv_lora_rank * selected
             + dsa * 2 * c.index_n_heads * c.index_head_dim * pools
             + kda * L * c.linear_num_heads * (4 * d * d + 2 * KDA_CHUNK * 2 * d))
     assert forward_flops(c, [L]) == pytest.approx(want)

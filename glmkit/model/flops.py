@@ -36,7 +36,7 @@ def peak_bf16_tflops(device_name: str) -> float | None:
     return None
 
 
-def _matmul_params_per_token(config) -> float:
+def matmul_params_per_token(config) -> float:
     """Multiply-adds of a token's weight products: every weight of two or more dims once (the routed
     experts' stacked weights at top-k / n_routed_experts), the embedding table excepted (a lookup).
     Read from the model built on the meta device, so it follows the architecture as glmkit builds it."""
@@ -57,11 +57,12 @@ def _matmul_params_per_token(config) -> float:
     return total
 
 
-def forward_flops(config, seq_lens) -> float:
-    """FLOPs of one forward over sequences of these lengths (packed, each causal on its own)."""
+def forward_flops(config, seq_lens, weight_macs: float | None = None) -> float:
+    """FLOPs of one forward over sequences of these lengths (packed, each causal on its own).
+    `weight_macs`: matmul_params_per_token(config), when the caller keeps it (it builds a meta model)."""
     from glmkit.config import DSA
 
-    per_token = 2 * _matmul_params_per_token(config)
+    per_token = 2 * (matmul_params_per_token(config) if weight_macs is None else weight_macs)
     dsa = [i for i, kind in enumerate(config.layer_types) if kind == DSA]
     full = [i for i in dsa if config.indexer_types[i] == "full"]
     kda_layers = len(config.layer_types) - len(dsa)

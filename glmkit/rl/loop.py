@@ -1054,13 +1054,15 @@ class GRPOTrainer:
         TFLOP/s from the model's FLOP count (glmkit.model.flops; training = 3 x forward), the training
         tokens/s, and on a GPU whose peak is known (or --mfu-peak-tflops) perf/mfu_peak_tflops and
         perf/actor_train_mfu."""
-        from glmkit.model.flops import forward_flops, peak_bf16_tflops
+        from glmkit.model.flops import matmul_params_per_token, forward_flops, peak_bf16_tflops
 
         times = getattr(self, "phase_times", None)
         if not times:
             return {}
         lengths = [end - start for start, end in batch.packed.bounds()]
-        tflop = forward_flops(self.policy.config, lengths) / 1e12
+        if getattr(self, "_weight_macs", None) is None:  # counted once a run: it builds the model on meta
+            self._weight_macs = matmul_params_per_token(self.policy.config)
+        tflop = forward_flops(self.policy.config, lengths, self._weight_macs) / 1e12
         out = {f"perf/{k}_time": v for k, v in times.items()}
         if times["log_probs"] > 0:
             out["perf/log_probs_tflops"] = tflop / times["log_probs"]
