@@ -345,6 +345,7 @@ def run_notebook(notebook, out_dir, parameters: dict, name: str | None = None) -
             raise FileNotFoundError(f"{notebook}: no such notebook")
         raise ValueError(f"{notebook}: {why}, not a notebook")
     _check_notebook(notebook)
+    _check_parameter_names(notebook, parameters)
     name = name or notebook.stem
     if not name or name.startswith(".") or "/" in name or "\\" in name or "\0" in name:
         raise ValueError(f"--name {name!r}: a report's name is a plain file name (no folder, not hidden)")
@@ -358,6 +359,16 @@ def run_notebook(notebook, out_dir, parameters: dict, name: str | None = None) -
 
 
 REPORT_FILES = (".html", ".ipynb", ".failed.ipynb")
+
+
+def _check_parameter_names(notebook: Path, parameters: dict) -> None:
+    """Only parameters the notebook's parameters cell declares: papermill would inject any other name
+    as a line of code, where a name that is not an identifier is a syntax error deep in the run."""
+    declared = notebook_defaults(notebook)
+    unknown = [name for name in parameters if name not in declared]
+    if unknown:
+        shown = ", ".join(repr(n) if not str(n).isidentifier() else str(n) for n in unknown[:5])
+        raise ValueError(f"-p {shown}: not a parameter of {notebook.name}; its parameters: {', '.join(declared)}")
 
 
 def _claim(path: Path, notebook: Path) -> None:

@@ -10,6 +10,8 @@ Rules:
   made. Before the next write to the same target, marked staging directories of NAME are removed when
   they are stale: made on this host by a process that is no longer running, or (another host's,
   whose process cannot be checked) untouched for a day. A live concurrent write is never removed.
+- A marked target being replaced is first renamed `.NAME.old-HOST-PID-XXXXXXXX` and deleted with its
+  marker last, so a deletion cut short leaves a folder the next write to NAME recognises and finishes.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from glmkit.inputs import not_a_file
 
 MARKER = ".glmkit-output"
 STALE_ELSEWHERE_S = 24 * 3600  # another host's staging directory: stale when untouched this long
-_STAGING = re.compile(r"\.(?P<name>.+)\.tmp-(?P<host>.+)-(?P<pid>\d+)-[a-z0-9_]{8}")
+# a staging directory (.NAME.tmp-...) or an old target moved aside to be deleted (.NAME.old-...)
+_STAGING = re.compile(r"\.(?P<name>.+)\.(?:tmp|old)-(?P<host>.+)-(?P<pid>\d+)-[a-z0-9_]{8}")
 
 
 # markers hold file names and the command line, which may carry bytes that are not UTF-8 (surrogate-escaped
@@ -323,7 +326,7 @@ def staging_dir(target: Path, what: str) -> Path:
     for entry in target.parent.iterdir():
         try:
             if is_stale_staging(entry, target.name):
-                shutil.rmtree(entry, ignore_errors=True)
+                remove_marker_last(entry)
         except OSError:  # it vanished or cannot be read: not ours to clean
             pass
     staged = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-{socket.gethostname()}-{os.getpid()}-",
@@ -344,16 +347,31 @@ def move_into_place(staged: Path, target: Path) -> None:
         if target.is_dir() and not target.is_symlink() and not any(target.iterdir()):
             target.rmdir()
         else:
-            old = Path(tempfile.mkdtemp(prefix=target.name + ".old-", dir=target.parent))
+            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-{socket.gethostname()}-{os.getpid()}-",
+                                        dir=target.parent))
             old.rmdir()
             target.rename(old)
     staged.rename(target)
     if old is None:
         return
     if old.is_dir() and not old.is_symlink():
-        shutil.rmtree(old)
+        remove_marker_last(old)
     else:
         old.unlink()
+
+
+def remove_marker_last(folder: Path) -> None:
+    """Delete a marked folder with its marker last: cut short, it is still recognisably glmkit's."""
+    for entry in folder.iterdir():
+        if entry.name == MARKER:
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+    with contextlib.suppress(FileNotFoundError):
+        (folder / MARKER).unlink()
+    folder.rmdir()
 
 
 LOCK_TEXT_CHARS = 200  # a lock file holds one short line: pid, host, start time

@@ -414,12 +414,18 @@ def test_resume_marker_that_is_not_a_number(runs):
 
 @case
 def threshold(folder, tiny, sharded):
-    return [["parity", "--checkpoint", tiny, "--threshold", "rel_rms=abc"]]
+    return [["parity", "--checkpoint", tiny, "--threshold", "rel_rms=abc"],
+            ["parity", "--checkpoint", tiny, "--threshold", "rel_rms=\u0661e-4"],  # an Arabic-Indic one
+            ["parity", "--checkpoint", tiny, "--threshold", "identical=inf"]]
 
 
 def test_threshold_that_is_not_a_number(runs):
-    _, (out,) = runs("threshold")
-    assert error(out) == "glmkit parity: error: --threshold 'rel_rms=abc': 'abc' is not a number"
+    """Hostile pass 6: float() read non-ASCII digits, so `rel_rms=١e-4` was taken as 1e-4."""
+    _, (letters, digits, infinite) = runs("threshold")
+    assert error(letters) == "glmkit parity: error: --threshold 'rel_rms=abc': 'abc' is not a finite decimal number"
+    assert error(digits) == ("glmkit parity: error: --threshold 'rel_rms=\u0661e-4': '\u0661e-4' is not a finite "
+                             "decimal number")
+    assert error(infinite).endswith("'inf' is not a finite decimal number") and infinite.returncode == 2
 
 
 @case

@@ -147,3 +147,29 @@ def test_a_byte_order_mark_and_a_lone_surrogate(tmp_path):
         samples, problems = load_prompts(path, shuffle_seed=None)
     assert [s.index for s in samples] == [1, 3] and samples[1].prompt_text.startswith("\U0001F600")
     assert "lone UTF-16 surrogate" in problems[0].reason
+
+
+def test_a_file_that_reads_on_and_on_or_is_not_jsonl_is_refused(tmp_path, monkeypatch):
+    """Hostile pass 6: `--prompt-data /proc/self/pagemap` (size 0 on disk, terabytes when read) read until
+    killed. Bytes are now counted as they are read (bounded by MAX_FILE_BYTES, lowered here so the test
+    is quick), and a file whose malformed rows outnumber its prompts past MAX_MALFORMED_ROWS is refused
+    instead of collecting a problem per line."""
+    import os
+
+    from glmkit.rl import data
+
+    monkeypatch.setattr(data, "MAX_FILE_BYTES", 8 << 20)
+    if os.path.exists("/proc/self/pagemap"):
+        with pytest.raises(ValueError, match=r"pagemap: read past 8388608 bytes, the most a prompt file may hold"):
+            load_prompts("/proc/self/pagemap", apply_chat_template=False)
+    binary = tmp_path / "binary.jsonl"
+    good = json.dumps({"prompt": [{"role": "user", "content": "1+1"}], "label": "2"})
+    binary.write_bytes(((good + "\n") * 5).encode() + b"\xff\xfe not json\n" * 1500)
+    with pytest.raises(ValueError, match=r"binary.jsonl: 1001 malformed rows and 5 prompts by line 1006 \(first: line 6: "):
+        load_prompts(binary, apply_chat_template=False)
+    mostly_good = tmp_path / "mostly_good.jsonl"  # many bad rows, more good ones: read, the bad ones reported
+    mostly_good.write_text((good + "\n") * 1500 + "not json\n" * 1200)
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        samples, problems = load_prompts(mostly_good, apply_chat_template=False)
+    assert len(samples) == 1500 and len(problems) == 1200

@@ -194,3 +194,28 @@ def test_an_unreadable_notebook_is_the_environments_error(tmp_path):
     out = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert out.returncode == 4, out.stderr[-2000:]
     assert "environment error: Permission denied" in out.stderr
+
+
+def test_every_parameter_line_is_read_by_papermill():
+    """papermill skips (with a warning) a parameters line holding more than one '=': notebook 01's
+    `backends = "kda=torch,..."` could not be set headless. Each notebook's parameters cell, as Python
+    reads it, names exactly what papermill's own inspector finds."""
+    import ast
+
+    import papermill
+
+    for path in sorted(NOTEBOOKS.glob("*.ipynb")):
+        nb = nbformat.read(str(path), as_version=4)
+        cell = next(c for c in nb.cells if "parameters" in c.metadata.get("tags", []))
+        assigned = [t.id for node in ast.parse(cell.source).body if isinstance(node, ast.Assign) for t in node.targets]
+        assert list(papermill.inspect_notebook(str(path))) == assigned, path.name
+
+
+def test_a_parameter_the_notebook_does_not_declare_is_refused_by_name(tmp_path, capsys):
+    """Hostile pass 6: `report -p 'a-b' 1` was injected as code, a SyntaxError in the run, exit 1."""
+    notebook = small_notebook(tmp_path / "hello.ipynb", "print(message)")
+    for name in ("a-b", "mesage"):
+        assert main(["report", str(notebook), "--out", str(tmp_path / "r"), "-p", name, "1"]) == 2
+        err = capsys.readouterr().err
+        assert f"not a parameter of hello.ipynb; its parameters: out_dir, message" in err, err
+    assert not (tmp_path / "r").exists()  # refused before anything was written

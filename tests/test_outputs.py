@@ -327,3 +327,43 @@ def test_outputs_are_checked_writable_and_named_before_any_work(tmp_path, monkey
     for check in (check_file_out, check_dir_out):
         with pytest.raises(PermissionError, match="cannot write in the folder"):
             check(tmp_path / "new" / "x", "--out")
+
+
+def test_an_interrupted_replacement_is_finished_by_the_next_write(tmp_path, monkeypatch):
+    """Hostile pass 6: `ckpt synth --overwrite` killed while deleting the old checkpoint left a visible,
+    half-removed `ck.old-*` that nothing cleaned. The old target is now moved aside under a hidden
+    `.ck.old-HOST-PID-*` name and deleted with its marker last, so what a kill leaves is still marked and
+    the next write to `ck` removes it (once its process is gone), as it removes stale staging folders."""
+    import shutil
+
+    from glmkit.outputs import MARKER, move_into_place, staging_dir
+
+    def write(content: str) -> Path:
+        staged = staging_dir(tmp_path / "ck", "checkpoint")
+        (staged / "weights.bin").write_text(content)
+        (staged / "sub").mkdir()
+        (staged / "sub" / "part").write_text(content)
+        return staged
+
+    move_into_place(write("one"), tmp_path / "ck")
+    real_rmtree, cut = shutil.rmtree, []
+
+    def killed_midway(path, *args, **kwargs):  # the process dies after deleting one entry
+        cut.append(path)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(shutil, "rmtree", killed_midway)
+    with pytest.raises(KeyboardInterrupt):
+        move_into_place(write("two"), tmp_path / "ck")
+    monkeypatch.setattr(shutil, "rmtree", real_rmtree)
+    assert (tmp_path / "ck" / "weights.bin").read_text() == "two"
+    (left,) = [p for p in tmp_path.iterdir() if ".old-" in p.name]
+    assert left.name.startswith(f".ck.old-{socket.gethostname()}-{os.getpid()}-") and (left / MARKER).is_file()
+    # a live process's leftover is kept; once that process is gone the next write to ck removes it
+    move_into_place(write("three"), tmp_path / "ck")
+    assert left.exists()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    as_dead = left.with_name(left.name.replace(f"-{os.getpid()}-", f"-{dead.stdout.strip()}-"))
+    left.rename(as_dead)
+    move_into_place(write("four"), tmp_path / "ck")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"] and (tmp_path / "ck" / "weights.bin").read_text() == "four"

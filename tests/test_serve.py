@@ -668,6 +668,62 @@ def test_a_stalled_body_is_answered_408_and_weights_have_their_own_body_limit():
         s.kill()
 
 
+def test_headers_that_never_end_are_answered_408_and_connections_are_capped():
+    """Hostile pass 6: connections that never finished their headers were held with no timeout (uvicorn has
+    none), and 20k of them exhausted the descriptors. Now headers must arrive within --header-timeout-s of
+    the connection's opening (408, closed), connections beyond --max-connections get 503 at once, and a
+    keep-alive client that sends whole requests is unaffected."""
+    import socket
+
+    def answer_of(conn):
+        answer = b""
+        while piece := conn.recv(65536):  # ends when the server closes the connection
+            answer += piece
+        return answer
+
+    s = Server("--header-timeout-s", "2", "--max-connections", "3")
+    try:
+        host, port = s.url.removeprefix("http://").rsplit(":", 1)
+        silent = [socket.create_connection((host, int(port)), timeout=20) for _ in range(3)]
+        time.sleep(0.5)  # accepted by the server
+        with socket.create_connection((host, int(port)), timeout=20) as fourth:
+            refused = answer_of(fourth)
+        assert refused.startswith(b"HTTP/1.1 503") and b"limit of 3 open connections" in refused, refused
+        started = time.time()
+        for conn in silent:
+            late = answer_of(conn)
+            conn.close()
+            assert late.startswith(b"HTTP/1.1 408") and b"(--header-timeout-s)" in late, late
+        assert time.time() - started < 10
+        started = time.time()
+        with socket.create_connection((host, int(port)), timeout=20) as trickle:  # a header line a second
+            trickle.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+            for _ in range(6):
+                time.sleep(0.7)
+                try:
+                    trickle.sendall(b"X-Slow: 1\r\n")
+                except OSError:  # closed by the server: the test reads its answer below
+                    break
+            late = answer_of(trickle)
+        assert late.startswith(b"HTTP/1.1 408"), late
+        assert time.time() - started < 8
+        with requests.Session() as session:  # keep-alive across requests slower than nothing: untouched
+            for _ in range(3):
+                assert session.get(s.url + "/health", timeout=10).status_code == 200
+                time.sleep(0.5)
+    finally:
+        s.kill()
+
+
+def test_an_ipv6_address_is_printed_in_brackets():
+    """Hostile pass 6: `serve --host ::1` printed http://::1:PORT, which no client parses."""
+    from glmkit.serve.server import http_url
+
+    assert http_url("::1", 30000) == "http://[::1]:30000"
+    assert http_url("127.0.0.1", 30000) == "http://127.0.0.1:30000"
+    assert requests.utils.urlparse(http_url("fe80::1", 8)).port == 8
+
+
 def test_a_weight_version_is_a_short_printable_label(server):
     """Hostile pass 4: any string was stored (NUL, 90 KB) and echoed in every answer."""
     for version in ("x" * 257, "a\x00b", "line\nbreak"):

@@ -97,6 +97,15 @@ def test_lora_trains_and_syncs_only_the_adapters(tmp_path):
         assert (engine[name].data_ptr() == p.data_ptr()) == (not p.requires_grad), name
 
 
+def test_resume_needs_a_save_folder_and_accepted_changes_need_resume(tmp_path):
+    """Hostile pass 6: `--resume` without `--save` was accepted and trained from scratch, silently."""
+    with pytest.raises(ValueError, match="--resume continues from the checkpoints under --save DIR, and no --save"):
+        GRPOTrainer(tiny(tmp_path, resume=True))
+    with pytest.raises(ValueError, match="--accept-changes lr: only a resumed run"):
+        GRPOTrainer(tiny(tmp_path, accept_changes="lr"))
+    assert not any(tmp_path.iterdir())  # refused before anything was written
+
+
 def test_resume_continues_the_same_run(tmp_path):
     straight = GRPOTrainer(tiny(tmp_path / "a", num_rollout=4, rollout_batch_size=4, global_batch_size=32)).run()
     cfg = tiny(tmp_path / "b", num_rollout=2, rollout_batch_size=4, global_batch_size=32,

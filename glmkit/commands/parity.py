@@ -34,7 +34,7 @@ def _parity_table(result) -> str:
 
 
 def _thresholds(items) -> dict:
-    import math
+    from glmkit.inputs import ascii_float
 
     out = {}
     for item in items or []:
@@ -42,10 +42,10 @@ def _thresholds(items) -> dict:
         if key not in ("rel_rms", "identical") or not value:
             raise ValueError(f"--threshold {item!r}: expected rel_rms=FLOAT or identical=FLOAT")
         try:
-            number = float(value)
+            number = ascii_float(value)  # ASCII digits only: float() also reads '١٠' and '1_0'
         except ValueError:
-            raise ValueError(f"--threshold {item!r}: {value!r} is not a number") from None
-        if not math.isfinite(number) or number < 0 or (key == "identical" and number > 1):
+            raise ValueError(f"--threshold {item!r}: {value!r} is not a finite decimal number") from None
+        if number < 0 or (key == "identical" and number > 1):
             allowed = "a fraction in 0..1" if key == "identical" else "a finite number >= 0"
             raise ValueError(f"--threshold {item!r}: {key} must be {allowed}")
         out[key] = number

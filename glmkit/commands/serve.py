@@ -22,6 +22,7 @@ def cmd_serve(args) -> int:
           args.max_batch_size, args.allow_updates_from, on_ready=lambda line: print(line, flush=True),
           max_context=args.max_context, prefill_chunk=args.prefill_chunk, max_body=args.max_body_bytes,
           max_weights_body=args.max_weights_body_bytes, body_timeout_s=args.body_timeout_s,
+          header_timeout_s=args.header_timeout_s, max_connections=args.max_connections,
           served_model_name=args.served_model_name, enable_memory_saver=args.enable_memory_saver,
           seed=args.random_seed, base_gpu_id=args.base_gpu_id, max_prefill_tokens=args.max_prefill_tokens)
     return 0
@@ -52,6 +53,12 @@ def add_commands(sub) -> None:
                    help="largest /update_weights_from_tensor body (safetensors blobs in base64; default 1 GiB)")
     p.add_argument("--body-timeout-s", type=_finite_positive, default=60.0, metavar="SECONDS",
                    help="answer 408 and close when a request body sends nothing for this long (default 60)")
+    p.add_argument("--header-timeout-s", type=_finite_positive, default=10.0, metavar="SECONDS",
+                   help="answer 408 and close when a request's headers have not all arrived this long after its "
+                        "first byte (or the connection's opening; default 10)")
+    p.add_argument("--max-connections", type=_positive, default=2048,
+                   help="most connections open at once; more are answered 503 and closed (default 2048, lowered "
+                        "to what the descriptor limit allows)")
     p.add_argument("--served-model-name", help="the name /v1/models and /server_info report (default: the checkpoint)")
     p.add_argument("--enable-memory-saver", action="store_true",
                    help="report SGLang's memory saver as on in /server_info (the framework compares it with its "

@@ -44,14 +44,23 @@ class Backends:
                 raise ValueError(f"unknown {what} {value!r}; allowed: {', '.join(allowed)}")
 
     @classmethod
-    def parse(cls, spec: "str | Backends | None") -> "Backends":
-        """None -> defaults; a Backends -> itself; "kda=fla,dsa=naive" -> those; "fla" -> kda=fla."""
+    def parse(cls, spec: "str | dict | Backends | None") -> "Backends":
+        """None -> defaults; a Backends -> itself; "kda=fla,dsa=naive" or {"kda": "fla", "dsa": "naive"}
+        -> those; "fla" -> kda=fla. (A notebook's parameters cell uses the dict: papermill cannot read a
+        line holding more than one '='.)"""
         if spec is None:
             return cls()
         if isinstance(spec, Backends):
             return spec
+        if isinstance(spec, dict):
+            unknown = [op for op in spec if op not in ALLOWED]
+            if unknown:
+                raise ValueError(f"unknown operator {unknown[0]!r} in backends {spec!r}; allowed: {', '.join(ALLOWED)}")
+            if not all(isinstance(v, str) for v in spec.values()):
+                raise TypeError(f"backends {spec!r}: each operator's backend is a name (a string)")
+            return cls(**spec)
         if not isinstance(spec, str):
-            raise TypeError(f"backends must be a Backends, a spec string or None, got {type(spec).__name__}")
+            raise TypeError(f"backends must be a Backends, a spec string, a dict or None, got {type(spec).__name__}")
         chosen = {}
         for item in (part.strip() for part in spec.split(",")):
             if not item:

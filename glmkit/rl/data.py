@@ -146,18 +146,32 @@ def _report(path, problems: list[Problem]) -> None:
 
 MAX_ROW_BYTES = 1 << 20  # one prompt row: a chat of about a million characters is not a prompt
 MAX_FILE_BYTES = 4 << 30
+# A file whose malformed rows outnumber its prompts past this many is not a prompt file (a binary file, a
+# /proc file that reads on and on): refused, instead of collecting a problem per line until memory ends.
+MAX_MALFORMED_ROWS = 1000
 
 
-def _bounded_lines(f):
+def _bounded_lines(f, path):
     """The file's lines, each read at most MAX_ROW_BYTES at a time: a longer line is skipped unread
-    (yielded as None) instead of being held in memory whole."""
+    (yielded as None) instead of being held in memory whole. Bytes are counted as they are read, since
+    a file's size on disk does not bound what it reads (/proc files say 0)."""
+    total = 0
+
+    def read(limit):
+        nonlocal total
+        raw = f.readline(limit)
+        total += len(raw)
+        if total > MAX_FILE_BYTES:
+            raise ValueError(f"{path}: read past {MAX_FILE_BYTES} bytes, the most a prompt file may hold (split it)")
+        return raw
+
     while True:
-        raw = f.readline(MAX_ROW_BYTES + 1)
+        raw = read(MAX_ROW_BYTES + 1)
         if not raw:
             return
         if len(raw) > MAX_ROW_BYTES and not raw.endswith(b"\n"):
             while raw and not raw.endswith(b"\n"):  # the rest of the long line, dropped in pieces
-                raw = f.readline(MAX_ROW_BYTES)
+                raw = read(MAX_ROW_BYTES)
             yield None
             continue
         yield raw
@@ -183,7 +197,7 @@ def load_prompts(path=DEFAULT_DAPO_PATH, input_key: str = "prompt", label_key: s
                          f"{MAX_FILE_BYTES} bytes (split it, or pass a --prompt-pool of a smaller file)")
     samples, problems = [], []
     with open(path, "rb") as f:  # decoded line by line, so a binary file names its first bad line
-        for number, raw in enumerate(_bounded_lines(f), start=1):
+        for number, raw in enumerate(_bounded_lines(f, path), start=1):
             try:
                 if raw is None:
                     raise RowError(f"longer than {MAX_ROW_BYTES} bytes, the most a prompt row may hold (not read)")
@@ -195,6 +209,9 @@ def load_prompts(path=DEFAULT_DAPO_PATH, input_key: str = "prompt", label_key: s
                 if on_error == "raise":
                     raise ValueError(f"{path}: line {number}: {err}") from err
                 problems.append(Problem(number, str(err)))
+                if len(problems) > max(MAX_MALFORMED_ROWS, len(samples)):
+                    raise ValueError(f"{path}: {len(problems)} malformed rows and {len(samples)} prompts by line "
+                                     f"{number} (first: {problems[0]}); not a JSONL prompt file") from None
     if problems:
         _report(path, problems)
     if shuffle_seed is not None:

@@ -160,6 +160,10 @@ class TrainConfig:
                              f"folder need two paths")
         if cfg.resume and cfg.overwrite:
             raise ValueError("--resume continues a run and --overwrite replaces it: give one of them")
+        if cfg.resume and not cfg.save:
+            raise ValueError("--resume continues from the checkpoints under --save DIR, and no --save was given")
+        if cfg.accept_changes and not cfg.resume:
+            raise ValueError(f"--accept-changes {cfg.accept_changes}: only a resumed run (--resume) compares settings")
         if not cfg.rollout_temperature >= GREEDY_BELOW:
             raise ValueError(f"--rollout-temperature {cfg.rollout_temperature}: GRPO needs >= {GREEDY_BELOW} "
                              f"(log-probs are those of softmax(logits / T); below it sampling is greedy)")

@@ -27,6 +27,7 @@ import socket
 import threading
 import time
 import uuid
+import warnings
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +49,11 @@ DEFAULT_MAX_WEIGHTS_BODY = 1 << 30
 # A body that stops arriving holds a connection for ever (uvicorn has no body read timeout): after this
 # many seconds without a byte the request is answered 408 and the connection closed.
 DEFAULT_BODY_TIMEOUT_S = 60.0
+# Headers that never end hold a connection for ever too (uvicorn has no header timeout either), and enough
+# such connections exhaust the descriptors: each request's headers must arrive within this many seconds,
+# and connections beyond the cap are answered 503 (see glmkit/serve/connections.py).
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+DEFAULT_MAX_CONNECTIONS = 2048
 # JSON may escape a UTF-16 surrogate; a lone one decodes to a str no tokenizer or encoder accepts
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
@@ -1293,6 +1299,11 @@ MAX_WEIGHT_VERSION = 256
 EVERY_INTERFACE = ("0.0.0.0", "::")  # the spellings that say "every interface" on purpose
 
 
+def http_url(host: str, port: int) -> str:
+    """The URL of host:port, an IPv6 address in brackets as URLs write it."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def _check_host(host: str) -> None:
     """Listening on every interface is asked for in words (0.0.0.0 or ::), never by a shorthand that
     means the same to the resolver: '', '0', '0x0', '0.0'."""
@@ -1323,10 +1334,13 @@ def serve(checkpoint, host: str = "127.0.0.1", port: int = 30000, device: str = 
           prefill_chunk: int | None = None, max_body: int = DEFAULT_MAX_BODY, served_model_name: str | None = None,
           enable_memory_saver: bool = False, seed: int = 0, base_gpu_id: int = 0,
           max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS, max_weights_body: int = DEFAULT_MAX_WEIGHTS_BODY,
-          body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S):
+          body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
+          max_connections: int = DEFAULT_MAX_CONNECTIONS):
     """Load the checkpoint and serve until interrupted. Port 0 picks a free port; `on_ready` gets
     the line naming the address."""
     import uvicorn
+
+    from glmkit.serve.connections import bounded_protocol, connection_cap
 
     from glmkit.model import load_model
     from glmkit.tokenizer import has_tokenizer_files, load_tokenizer
@@ -1363,8 +1377,12 @@ def serve(checkpoint, host: str = "127.0.0.1", port: int = 30000, device: str = 
                             max_context, prefill_chunk, checkpoint_eos_ids(checkpoint, model, tok), server_args, seed,
                             max_prefill_tokens)
     app = build_app(service, window_s, max_body, max_weights_body, body_timeout_s)
-    config = uvicorn.Config(app, log_level="warning", access_log=False)
+    cap = connection_cap(max_connections)
+    if cap < max_connections:
+        warnings.warn(f"--max-connections {max_connections}: the descriptor limit (ulimit -n) leaves room for {cap}; "
+                      f"serving at most {cap} connections at once")
+    config = uvicorn.Config(app, log_level="warning", access_log=False, http=bounded_protocol(header_timeout_s, cap))
     server = uvicorn.Server(config)
-    on_ready(f"glmkit serve: {checkpoint} on http://{host}:{bound} (SGLang native API; device {device}, "
+    on_ready(f"glmkit serve: {checkpoint} on {http_url(host, bound)} (SGLang native API; device {device}, "
              f"max batch {max_batch})")
     server.run(sockets=[sock])

@@ -1,0 +1,95 @@
+"""Connection bounds for `glmkit serve` that uvicorn does not give: a deadline for a request's headers and
+a cap on open connections.
+
+uvicorn's h11 protocol waits for ever for headers that never end (a client sending one byte a minute, or
+nothing after connecting), so enough such connections exhaust the process's file descriptors and the
+server stops accepting the framework's requests. Each connection here must finish a request's headers
+within `header_timeout_s` of its first byte (or of connecting), and connections beyond `max_connections`
+are answered 503 and closed at once. Idle keep-alive connections stay governed by uvicorn's own
+keep-alive timeout."""
+
+from __future__ import annotations
+
+import resource
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+FD_MARGIN = 128  # descriptors kept for the model's files, logs and the listening socket
+
+
+def _closing_answer(status: int, reason: str, text: str) -> bytes:
+    body = text.encode()
+    return (f"HTTP/1.1 {status} {reason}\r\ncontent-type: text/plain; charset=utf-8\r\n"
+            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n").encode() + body
+
+
+def connection_cap(wanted: int) -> int:
+    """The most connections this process can hold open: `wanted`, after raising the soft descriptor
+    limit toward it where the hard limit allows; never more than the limit leaves room for."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = wanted + FD_MARGIN
+    if soft != resource.RLIM_INFINITY and soft < need:
+        target = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    if soft == resource.RLIM_INFINITY:
+        return wanted
+    return max(1, min(wanted, soft - FD_MARGIN))
+
+
+def bounded_protocol(header_timeout_s: float, max_connections: int) -> type[H11Protocol]:
+    """uvicorn's h11 protocol with a header deadline and a connection cap (pass as `uvicorn.Config(http=...)`)."""
+
+    class BoundedH11Protocol(H11Protocol):
+        _header_timer = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            if len(self.connections) > max_connections:
+                transport.write(_closing_answer(503, "Service Unavailable",
+                                                f"the server holds its limit of {max_connections} open connections; "
+                                                f"retry later\n"))
+                transport.close()
+                return
+            self._arm_header_deadline()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self.transport.is_closing():
+                return
+            if self.conn.their_state is h11.IDLE:  # headers begun but not finished, or a new request on keep-alive
+                if self._header_timer is None and self.timeout_keep_alive_task is None:
+                    self._arm_header_deadline()
+            else:  # a request's headers are in: its body has its own timeout (the app's)
+                self._disarm_header_deadline()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm_header_deadline()
+            super().connection_lost(exc)
+
+        def on_response_complete(self) -> None:
+            self._disarm_header_deadline()
+            super().on_response_complete()
+
+        def _arm_header_deadline(self) -> None:
+            self._header_timer = self.loop.call_later(header_timeout_s, self._headers_late)
+
+        def _disarm_header_deadline(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _headers_late(self) -> None:
+            self._header_timer = None
+            if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
+                return
+            self.transport.write(_closing_answer(408, "Request Timeout",
+                                                 f"the request's headers did not arrive within {header_timeout_s:g} s "
+                                                 f"(--header-timeout-s)\n"))
+            self.transport.close()
+
+    return BoundedH11Protocol
