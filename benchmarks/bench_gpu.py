@@ -155,10 +155,13 @@ def glmkit_forward(model, backends, ids):
     """The final hidden states (no LM head), as the reference's text model returns them."""
     from glmkit.model.block import Run
     from glmkit.model.packed import Packed
+    from glmkit.model.plan import plan_kernels
+
+    kernels = plan_kernels(model, backends)
 
     @torch.no_grad()
     def step():
-        model.hidden(ids.flatten(), Run(backends, packed=Packed.from_lengths([ids.shape[1]] * ids.shape[0], device="cuda")))
+        model.hidden(ids.flatten(), Run(kernels, packed=Packed.from_lengths([ids.shape[1]] * ids.shape[0], device="cuda")))
     return step
 
 

@@ -57,6 +57,10 @@ def main(argv=None):
     ckpt = open_checkpoint(args.checkpoint) if args.checkpoint else None
     config = ckpt.config if ckpt else variant_config(args.variant)
     backends = Backends.parse(args.backends)
+    from glmkit.model.plan import config_target
+
+    kernels = backends.plan(config_target(config, device, dtype))  # every layer runs this plan
+    print("\n".join(kernels.explain()), flush=True)
     T, P = args.seq_len, args.seq_len - args.decode
     if not 0 < P < T:
         raise ValueError(f"--decode {args.decode} must be in 1..{T - 1}")
@@ -108,7 +112,7 @@ def main(argv=None):
 
         with torch.no_grad():
             t0 = time.perf_counter()
-            run = Run(backends, packed=packed, record=lambda l, s, v: keep(l, s, v, seen.setdefault("train", {})))
+            run = Run(kernels, packed=packed, record=lambda l, s, v: keep(l, s, v, seen.setdefault("train", {})))
             train, carry_train = block(streams, run, carry_train)
             sync()
             t_train = time.perf_counter() - t0
@@ -117,12 +121,12 @@ def main(argv=None):
             states[i] = (block.self_attn.empty_state(1, dtype, device) if block.kind == "kda"
                          else block.self_attn.empty_state(1, T, dtype, device))
             rolled = seen.setdefault("rollout", {})
-            run = Run(backends, packed=prompt, states=states, record=lambda l, s, v: keep(l, s, v, rolled))
+            run = Run(kernels, packed=prompt, states=states, record=lambda l, s, v: keep(l, s, v, rolled))
             piece, carry_prefill = block(streams[:P], run, carry_prefill)
             outs = [piece]
             lengths = torch.tensor([P], device=device)
             for s in range(args.decode):
-                run = Run(backends, lengths=lengths, states=states, record=lambda l, s_, v: keep(l, s_, v, rolled))
+                run = Run(kernels, lengths=lengths, states=states, record=lambda l, s_, v: keep(l, s_, v, rolled))
                 piece, carry_steps[s] = block(streams[P + s:P + s + 1], run, carry_steps[s])
                 outs.append(piece)
                 lengths = lengths + 1

@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from glmkit.commands import check, ckpt, launch, parity, rollout_data, serve, train
+from glmkit.commands import check, ckpt, kernels, launch, parity, rollout_data, serve, train
 from glmkit.commands.check import cmd_check
 from glmkit.commands.ckpt import cmd_ckpt_synth
 from glmkit.commands.parity import cmd_capture, cmd_parity
@@ -22,7 +22,7 @@ from glmkit.commands.serve import cmd_serve
 from glmkit.commands.train import _train_config, cmd_train  # noqa: F401 - _train_config: the tests build configs
 
 # in the order `glmkit --help` lists them
-COMMAND_GROUPS = (check, parity, train, ckpt, rollout_data, launch, serve)
+COMMAND_GROUPS = (check, parity, train, ckpt, rollout_data, launch, serve, kernels)
 MAX_ERROR_LINES = 14  # a checkpoint error lists 10 tensors, a header and a count; longer reasons are cut
 
 

@@ -96,6 +96,64 @@ def read_verdict(out_dir: Path, since: float, with_reasons: bool = False):
     return ("unknown", []) if with_reasons else "unknown"
 
 
+def read_verdict_data(out_dir: Path, since: float) -> dict:
+    """The verdict file this run wrote (see read_verdict), parsed; {} when there is none."""
+    for name in VERDICT_FILES:
+        path = Path(out_dir) / name
+        try:
+            if path.stat().st_mtime < since:
+                continue
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict):
+            return data
+    return {}
+
+
+def _number(value, digits: int = 3) -> str:
+    return f"{value:.{digits}g}" if isinstance(value, (int, float)) and not isinstance(value, bool) else "—"
+
+
+def key_numbers(data: dict) -> list[tuple[str, str]]:
+    """The numbers a reader compares across runs, from a notebook's verdict file: notebook 01's parity
+    (first divergence, worst site, train-vs-rollout log-prob abs diff, DSA ties replayed), notebook 02's
+    GRPO run (raw reward start -> end on training and held-out prompts, abs diff, KL, grad norm) and
+    notebook 03's launch (shape, job, state, last metrics). [] for a file of none of these."""
+    found = []
+    if "sites" in data or "first_divergence" in data:  # notebook 01
+        first = data.get("first_divergence")
+        found.append(("first diverging site", "none" if not first else
+                      f"layer {first.get('layer')} {first.get('site')}" if isinstance(first, dict) else str(first)))
+        sites = [s for s in data.get("sites") or [] if isinstance(s, dict) and isinstance(s.get("rel_rms"), (int, float))]
+        if sites:
+            worst = max(sites, key=lambda s: s["rel_rms"])
+            found.append(("worst site", f"layer {worst.get('layer')} {worst.get('site')}: rel RMS {_number(worst['rel_rms'])}"))
+        diff = (data.get("train_rollout") or {}).get("logprob_abs_diff", data.get("logprob_abs_diff"))
+        found.append(("train-vs-rollout log-prob abs diff", _number(diff)))
+        replay = data.get("topk_replay")
+        found.append(("DSA ties replayed", "no" if not replay else
+                      f"yes ({', '.join(f'{k}: {v}' for k, v in replay.items())})" if isinstance(replay, dict) else "yes"))
+    if "raw_reward_start" in data:  # notebook 02 (a GRPO run's verdict)
+        found.append(("raw reward (training prompts)", f"{_number(data.get('raw_reward_start'))} -> "
+                                                        f"{_number(data.get('raw_reward_end'))}"))
+        held = next((o for o in data.get("observations") or [] if o.get("metric") == "eval/raw_reward"), None)
+        found.append(("raw reward (held-out prompts)", f"{_number(held['first'])} -> {_number(held['last'])}"
+                      if held else "not evaluated"))
+        for row in data.get("health") or []:
+            if row.get("metric") in ("train/train_rollout_logprob_abs_diff", "train/ppo_kl", "train/grad_norm"):
+                found.append((row["metric"], str(row.get("observed") or "—")))
+    if "shape" in data and ("job" in data or "backend" in data):  # notebook 03
+        shape = data.get("shape") or {}
+        found.append(("shape", ", ".join(f"{k} {v}" for k, v in shape.items()) if isinstance(shape, dict) else str(shape)))
+        found.append(("job", f"{data.get('job') or 'none'} ({data.get('job_status') or 'not submitted'})"))
+        found.append(("metric rows", str(data.get("metric_rows", 0))))
+        health = data.get("grpo_health")
+        if isinstance(health, dict):
+            found.append(("GRPO health", str(health.get("verdict"))))
+    return found
+
+
 def verdict_reasons(data: dict) -> list[str]:
     """Why a verdict file says what it says: its "reasons" (notebooks 02 and 03: failed rules, failed
     health checks, too few rollouts), or for a parity result that lists none (notebook 01's
@@ -142,7 +200,7 @@ def verdict_label(verdict: str) -> str:
 
 
 def header_html(name: str, verdict: str, parameters: dict, defaults: dict, started: float, seconds: float,
-                reasons=()) -> str:
+                reasons=(), numbers=()) -> str:
     color = VERDICT_COLORS.get(verdict, "#666666")
     rows = []
     for key in dict.fromkeys([*defaults, *parameters]):
@@ -162,11 +220,14 @@ def header_html(name: str, verdict: str, parameters: dict, defaults: dict, start
     reason_list = ("<ul class=\"glmkit-verdict-reasons\">" + "".join(f"<li>{html.escape(r)}</li>" for r in reasons)
                    + "</ul>") if reasons else ""
     cell = "border:1px solid #ccc;padding:2px 8px;text-align:left"
+    number_rows = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>"
+                          for k, v in [*numbers, ("wall time", f"{seconds:.1f} s")])
     return f"""<div id="glmkit-report-header" style="font-family:sans-serif;margin:1em 2em 2em 2em">
 <h1 style="margin:0 0 .4em 0">{html.escape(name)}</h1>
 <div style="background:{color};color:#fff;padding:.5em 1em;font-size:1.3em">\
 verdict: {html.escape(verdict_label(verdict))}</div>
 {reason_list}
+<table class="glmkit-key-numbers" style="border-collapse:collapse;margin-top:.6em">{number_rows}</table>
 <style>#glmkit-report-header td, #glmkit-report-header th {{{cell}}}</style>
 <h3>parameters</h3>
 <table style="border-collapse:collapse"><tr><th>name</th><th>value</th><th></th></tr>{''.join(rows)}</table>
@@ -309,7 +370,7 @@ def external_resources(page: str) -> list[str]:
     return found
 
 
-def notebook_html(executed: Path, header: str) -> str:
+def notebook_html(executed: Path, header: str, title: str | None = None) -> str:
     """The executed notebook as one sealed HTML page (`offline_notebook` exported with JupyterLab's
     template less its script blocks, markdown sanitised; images inline as data URIs), header first,
     the Content-Security-Policy first in <head>. Raises ValueError naming what would still load or
@@ -319,7 +380,9 @@ def notebook_html(executed: Path, header: str) -> str:
     from glmkit.seal import with_csp
 
     exporter = _sealed_exporter()
-    body, _ = exporter.from_notebook_node(offline_notebook(nbformat.read(str(executed), as_version=4)))
+    title = title or Path(executed).stem
+    body, _ = exporter.from_notebook_node(offline_notebook(nbformat.read(str(executed), as_version=4)),
+                                          resources={"metadata": {"name": title}})
     start = body.find("<body")
     if start < 0:
         page = header + body
@@ -417,8 +480,27 @@ def _run_locked(notebook: Path, out_dir: Path, parameters: dict, name: str) -> P
     stale.unlink(missing_ok=True)
     file_marker(stale).unlink(missing_ok=True)
     verdict, reasons = read_verdict(out_dir, started, with_reasons=True)
-    header = header_html(name, verdict, parameters, notebook_defaults(notebook), started, seconds, reasons)
-    return write_marked(out_dir / f"{name}.html", notebook_html(executed, header), "report file")
+    numbers = key_numbers(read_verdict_data(out_dir, started))
+    title = notebook_title(executed, name)
+    header = header_html(title, verdict, parameters, notebook_defaults(notebook), started, seconds, reasons, numbers)
+    return write_marked(out_dir / f"{name}.html", notebook_html(executed, header, title), "report file")
+
+
+def notebook_title(notebook: Path, fallback: str) -> str:
+    """The notebook's own title: the first level-1 heading of its first markdown cell, else `fallback`."""
+    import nbformat
+
+    try:
+        nb = nbformat.read(str(notebook), as_version=4)
+    except Exception:  # the title is cosmetic: an unreadable notebook is reported elsewhere
+        return fallback
+    for cell in nb.cells:
+        if cell.get("cell_type") == "markdown":
+            for line in str(cell.get("source", "")).splitlines():
+                if line.startswith("# "):
+                    return line[2:].strip() or fallback
+            break
+    return fallback
 
 
 # ---------------------------------------------------------------- command line
@@ -438,7 +520,10 @@ def cmd_report(args) -> int:
     from papermill.exceptions import PapermillExecutionError
 
     parameters = {name: parse_value(value) for name, value in args.parameter or []}
-    out = Path(args.out or Path("reports") / Path(args.notebook).stem)
+    from glmkit.report import resolve_out_dir
+
+    # relative: from the checkout's root when run inside one (as the notebooks resolve theirs), else from here
+    out = resolve_out_dir(args.out or Path("reports") / Path(args.notebook).stem)
     started = time.time()
     try:
         page = run_notebook(args.notebook, out, parameters, args.name)

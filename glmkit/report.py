@@ -36,6 +36,30 @@ def json_safe(value):
     return value
 
 
+def checkout_root(start: Path) -> Path | None:
+    """The glmkit checkout holding `start` (the nearest folder above it whose pyproject.toml names the
+    project glmkit), or None outside one."""
+    for folder in (start, *start.parents):
+        project = folder / "pyproject.toml"
+        try:
+            if project.is_file() and 'name = "glmkit"' in project.read_text(errors="replace")[:4096]:
+                return folder
+        except OSError:
+            continue
+    return None
+
+
+def resolve_out_dir(out_dir) -> Path:
+    """Where a relative output folder goes, the same from the CLI, papermill and JupyterLab (whose kernel
+    starts in notebooks/): against the checkout's root when the working directory is inside a glmkit
+    checkout, else against the working directory. Absolute paths are kept; the result is absolute."""
+    path = Path(out_dir).expanduser()
+    if path.is_absolute():
+        return Path(os.path.abspath(path))
+    cwd = Path.cwd()
+    return Path(os.path.abspath((checkout_root(cwd) or cwd) / path))
+
+
 def write_atomic(path: Path, data: bytes | str) -> Path:
     """Write to a temporary sibling, then rename over `path` (a reader never sees half a file).
     Opened with open(), not mkstemp, so the file gets the umask's usual permissions."""

@@ -219,3 +219,48 @@ def test_a_parameter_the_notebook_does_not_declare_is_refused_by_name(tmp_path, 
         err = capsys.readouterr().err
         assert f"not a parameter of hello.ipynb; its parameters: out_dir, message" in err, err
     assert not (tmp_path / "r").exists()  # refused before anything was written
+
+
+def test_the_report_header_holds_the_numbers_a_reader_compares_and_the_notebooks_title(passing_run):
+    """Issue 36 (3): a report's header held the verdict alone, and its page title read "Notebook"."""
+    out, page = passing_run
+    text = page.read_text()
+    header = report_header(text)
+    for label in ("first diverging site</th><td>none", "worst site</th><td>layer ",
+                  "train-vs-rollout log-prob abs diff</th><td>", "DSA ties replayed</th><td>", "wall time</th><td>"):
+        assert label in header, label
+    title = json.loads(LAYER_PARITY.read_text())["cells"][0]["source"][0].removeprefix("# ").strip()
+    assert f"<title>{title}</title>" in text.replace("&#183;", "·") and f">{title}</h1>" in header
+
+
+def test_key_numbers_of_a_grpo_run_and_a_launch():
+    from glmkit.notebook import key_numbers
+
+    grpo = {"raw_reward_start": 0.41, "raw_reward_end": 0.88,
+            "observations": [{"metric": "eval/raw_reward", "first": 0.07, "last": 0.12}],
+            "health": [{"metric": "train/ppo_kl", "observed": "1e-4 - 3e-4"},
+                       {"metric": "rollout/raw_reward", "observed": "x"}]}
+    assert key_numbers(grpo) == [("raw reward (training prompts)", "0.41 -> 0.88"),
+                                 ("raw reward (held-out prompts)", "0.07 -> 0.12"),
+                                 ("train/ppo_kl", "1e-4 - 3e-4")]
+    launch = {"backend": "miles", "shape": {"nodes": 16, "gpus_per_node": 4}, "job": None, "metric_rows": 0}
+    assert key_numbers(launch) == [("shape", "nodes 16, gpus_per_node 4"), ("job", "none (not submitted)"),
+                                   ("metric rows", "0")]
+    assert key_numbers({"verdict": "pass"}) == [] and key_numbers({}) == []
+
+
+def test_a_relative_out_dir_resolves_the_same_from_the_root_from_notebooks_and_outside(tmp_path, monkeypatch):
+    """Issue 36 (4): started from JupyterLab (kernel in notebooks/) a notebook's relative out_dir landed
+    in notebooks/reports/, not where the CLI and the README put it. Inside the checkout a relative path
+    is taken from its root; outside one, from the working directory; absolute paths are kept."""
+    from glmkit.report import resolve_out_dir
+
+    root = NOTEBOOKS.parent
+    for where in (root, NOTEBOOKS, root / "glmkit" / "model"):
+        monkeypatch.chdir(where)
+        assert resolve_out_dir("reports/01_layer_parity") == root / "reports" / "01_layer_parity"
+    monkeypatch.chdir(tmp_path)
+    assert resolve_out_dir("reports/x") == tmp_path / "reports" / "x"
+    assert resolve_out_dir(tmp_path / "abs") == tmp_path / "abs"
+    (tmp_path / "pyproject.toml").write_text('[project]\nname = "other"\n')  # another project: not glmkit's
+    assert resolve_out_dir("r") == tmp_path / "r"

@@ -139,6 +139,35 @@ def test_health_table_verdicts():
     assert tiny_rows["rollout/raw_reward"]["verdict"] == "not applicable" and tiny_rows["rollout/raw_reward"]["why"]
 
 
+def test_health_table_judges_per_rollout_and_reports_the_frameworks_other_metrics():
+    """Issue 36 (2): the table counted optimizer steps as rollouts ("11/11 rollouts" of 11 steps of 3
+    rollouts). Per-step metrics are now averaged per rollout before the recipe's rules read them. Issue 35
+    (2): the framework's other metrics the run logged are reported beside the table, with no verdict."""
+    from glmkit.rl.health import format_observations, observations
+
+    history = []
+    for rollout, diff in enumerate((0.008, 0.009, 0.02)):  # the third rollout is outside the range
+        for step in range(4):
+            history.append({"train/step": rollout * 4 + step, "rollout/step": rollout, "step": rollout,
+                            "train/train_rollout_logprob_abs_diff": diff, "train/loss": 0.1 * step,
+                            "train/grad_norm": 0.4})
+        history.append({"rollout/step": rollout, "step": rollout, "rollout/raw_reward": 0.5 + 0.2 * rollout,
+                        "rollout/response_len/mean": 10.0 + rollout, "perf/actor_train_mfu": 0.1,
+                        "rollout/zero_std/count_0.0": 3})
+    history.append({"eval/step": 2, "step": 2, "eval/raw_reward": 0.3, "eval/pass@8": 0.6})
+    row = {r["metric"]: r for r in verdicts(history, "GLM-5.3-Flash")}["train/train_rollout_logprob_abs_diff"]
+    assert row["verdict"] == "outside" and row["why"] == "2/3 rollouts at or below 0.0106 (lower is better)"
+    assert row["observed"] == "0.008 - 0.02 (3 rollouts, 12 steps)"
+    seen = {r["metric"]: r for r in observations(history)}
+    assert list(seen) == ["train/loss", "rollout/response_len/mean", "eval/raw_reward", "eval/pass@8",
+                          "perf/actor_train_mfu"]
+    assert seen["train/loss"] == {"metric": "train/loss", "first": pytest.approx(0.15), "last": pytest.approx(0.15),
+                                  "min": pytest.approx(0.15), "max": pytest.approx(0.15), "rollouts": 3}
+    assert seen["rollout/response_len/mean"]["first"] == 10.0 and seen["rollout/response_len/mean"]["last"] == 12.0
+    assert "eval/pass@8" in format_observations(list(seen.values()))
+    assert run_verdict(history, "GLM-5.3-Flash")["observations"] == list(seen.values())
+
+
 def test_bad_arguments_fail_clearly(tmp_path):
     with pytest.raises(ValueError, match="must divide"):
         TrainConfig(global_batch_size=48).resolved()

@@ -80,6 +80,44 @@ def test_update_adds_points_and_redraws_the_widget_in_place():
     assert list(x) == [0, 1, 2] and list(y) == pytest.approx([0.3, 0.35, 0.4])
 
 
+def test_live_redraws_stay_within_their_share_of_the_run_and_update_lines_in_place(monkeypatch):
+    """Issue 36 (1): redrawing after every row cost ~40% of a run. The figure now redraws on rollout rows
+    only, at most once a second, and only while the seconds spent redrawing stay within 5% of the
+    seconds since the first row (the clock is simulated: each redraw "costs" 0.5 s, a rollout 3 s);
+    the status line follows every row with the progress; finish() draws what is pending; lines are
+    updated in place while each axis keeps its kind."""
+    from widgets import training
+
+    clock = [100.0]
+    monkeypatch.setattr(training.time, "perf_counter", lambda: clock[0])
+    real_savefig = training.Figure.savefig
+
+    def costly_savefig(self, *args, **kwargs):
+        clock[0] += 0.5
+        return real_savefig(self, *args, **kwargs)
+
+    monkeypatch.setattr(training.Figure, "savefig", costly_savefig)
+    view = LiveMetrics(total_rollouts=40)
+    assert view.draws == 0 and view.draw_seconds == 0  # the empty figure is not the run's time
+    for step in range(40):
+        clock[0] += 1.5
+        view.update({"train/step": step, "step": step, "train/grad_norm": 0.4})  # a train row: no redraw
+        clock[0] += 1.5
+        view.update(synthetic(step, **{"perf/tokens_per_s": 250.0}))
+        assert view.draw_seconds <= 0.05 * (clock[0] - 101.5) + 0.5  # within budget, give or take one draw
+    # 120 s of run: 5% is 6 s, twelve 0.5 s redraws (the rule lets the last one cross by one draw)
+    assert 11 <= view.draws <= 13 and view.draw_seconds <= 0.05 * 120 + 0.5, (view.draws, view.draw_seconds)
+    assert "rollout 40/40 · optimizer step 39 · ETA 0:00 · 250 tokens/s" in view.status.value
+    figure = view._live[0]
+    view.finish()
+    assert view._live[0] is figure  # updated in place: the axes kept their kind
+    x, _ = series_line(figure.axes[DEFAULT_METRICS.index("rollout/raw_reward")]).get_data()
+    assert list(x) == list(range(40))
+    view.update(synthetic(40, **{"train/grad_norm": float("nan")}))  # a new kind of axis: rebuilt
+    view.finish()
+    assert view._live[0] is not figure
+
+
 def test_update_keeps_a_copy_of_each_dict():
     view = LiveMetrics()
     metrics = synthetic(0)

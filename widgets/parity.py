@@ -100,6 +100,9 @@ class Shown:
     def refresh(self):
         self._display(update=True)
 
+    def _ipython_display_(self):
+        """Shown already: a cell ending in `show(view)` adds no `<Shown ...>` text to the notebook or report."""
+
 
 def show(view) -> Shown:
     """Display a view once: the widget in a live notebook, its static figure (or HTML table) in a
@@ -263,7 +266,23 @@ class SiteHeatmap:
         hint = W.HTML("<i>Click a cell to plot that site's error per token position; hover for its value. "
                       "Red border: over threshold; 1st: the first divergence; grey: not compared (no such site at "
                       "this layer).</i>")
-        return W.VBox([hint, W.VBox(rows), self.output])
+        return W.VBox([hint, W.VBox(rows), W.HTML(self.colour_key_html()), self.output])
+
+    def colour_key_html(self, steps: int = 24) -> str:
+        """The widget grid's colour key: the colour scale from the floor to the top of the grid's errors
+        (log10), its ends and integer decades labelled, the thresholds marked (the PNG's colour bar)."""
+        lo, hi = self.norm.vmin, self.norm.vmax
+        stops = ", ".join(f"{to_hex(self.cmap(i / (steps - 1)))} {100 * i / (steps - 1):.1f}%" for i in range(steps))
+        marks = "".join(
+            f"<div title='{html.escape(label)}' style='position:absolute;left:{100 * (v - lo) / (hi - lo):.1f}%;"
+            f"top:-3px;height:20px;border-left:2px {'solid' if style == '-' else 'dashed'} red'></div>"
+            for v, label, style in self.thresholds() if math.isfinite(v) and lo <= v <= hi)
+        ticks = "".join(f"<span style='position:absolute;left:{100 * (d - lo) / (hi - lo):.1f}%;"
+                        f"transform:translateX(-50%)'>{d}</span>" for d in range(math.ceil(lo), math.floor(hi) + 1))
+        return (f"<div class='glmkit-colour-key' style='font-size:11px;margin:6px 0 18px 150px;width:300px'>"
+                f"log10 error (red: thresholds)<div style='position:relative;height:14px;margin-top:2px;"
+                f"background:linear-gradient(to right, {stops})'>{marks}</div>"
+                f"<div style='position:relative;height:12px'>{ticks}</div></div>")
 
     def position_figure(self, s) -> Figure:
         """One site's per-row error against token position (one line per sequence when lengths are known)."""
@@ -316,13 +335,11 @@ class LogprobHistogram:
     def summary_html(self) -> str:
         if self.diff is None:
             return "<b>No log-probs in these captures.</b>"
-        rows = "".join(f"<tr><td>{w['sequence']}</td><td>{w['position']}</td><td>{w['a']:.6g}</td>"
-                       f"<td>{w['b']:.6g}</td><td>{w['abs_diff']:.3g}</td></tr>" for w in self.diff.worst[:self.worst])
+        # the worst tokens are listed once, in the figure beside the histogram
         return (f"<b>{html.escape(logprob_label(self.result))} = {self.diff.value:.3e}</b> "
                 f"({html.escape(self.result.path_a)} vs {html.escape(self.result.path_b)}, "
-                f"{len(self.diff.per_token)} tokens)"
-                f"<table><tr><th>sequence</th><th>position</th><th>logp a</th><th>logp b</th><th>|diff|</th></tr>"
-                f"{rows}</table>")
+                f"{len(self.diff.per_token)} tokens; the worst {min(self.worst, len(self.diff.worst))} "
+                f"are listed beside the histogram)")
 
     @property
     def text(self) -> str:

@@ -19,6 +19,7 @@ import html
 import io
 import json
 import math
+import time
 
 import ipywidgets as W
 import numpy as np
@@ -50,6 +51,9 @@ HEALTHY_GID, SERIES_GID = "healthy-range", "metric-series"
 HEALTHY_COLOR, NOT_APPLICABLE_ALPHA, APPLICABLE_ALPHA = "#2e9d4f", 0.08, 0.18
 LINE_COLOR, BAD_COLOR = "#1f5fa8", "#b3261e"
 LIVE_DPI = FIGURE_DPI   # the live widget's PNG, redrawn after every rollout: the report's size, unscaled
+# A live view may spend at most this share of a run's wall time redrawing its figure, and redraws at most
+# once a rollout and once a second; the status line (progress, latest values) follows every row.
+REDRAW_SHARE, MIN_REDRAW_INTERVAL_S = 0.05, 1.0
 
 VERDICT_COLORS = {"within range": "#1b7f3b", "outside": "#b3261e", "not applicable": "#8a8a8a"}
 VERDICT_BACKGROUNDS = {"within range": "#d8efdf", "outside": "#f6d6d3", "not applicable": "#ececec"}
@@ -106,18 +110,31 @@ class LiveMetrics:
         axis and labelled "recipe's healthy range (full model)". None or {} shades nothing.
     variant: the model variant; where `NOT_APPLICABLE[variant]` says the full model's number does not
         carry over, the band is drawn fainter and the axis title says "n/a on {variant}".
+    total_rollouts: the run's length, for the progress line (rollout k/N, optimizer step, ETA, tokens/s).
+
+    Cost: `update` redraws the figure at most once a rollout, once a second (`min_interval_s`), and only
+    while the time spent redrawing stays within `redraw_share` of the time since the first row; the
+    figure's lines are updated in place (rebuilt only when an axis changes kind). `finish()` draws the
+    final state.
     """
 
-    def __init__(self, metric_names=None, healthy=HEALTHY_FULL, variant: str = "tiny", columns: int = 3):
+    def __init__(self, metric_names=None, healthy=HEALTHY_FULL, variant: str = "tiny", columns: int = 3,
+                 total_rollouts: int | None = None, redraw_share: float = REDRAW_SHARE,
+                 min_interval_s: float = MIN_REDRAW_INTERVAL_S):
         self.metric_names = list(DEFAULT_METRICS if metric_names is None else metric_names)
         self.healthy = dict(healthy or {})
         self.variant = variant
         self.columns = max(1, min(columns, len(self.metric_names) or 1))
+        self.total_rollouts, self.redraw_share, self.min_interval_s = total_rollouts, redraw_share, min_interval_s
         self.history: list[dict] = []
         self.status = W.HTML()
         self.output = W.Output()
         self.widget = W.VBox([self.status, self.output])
+        self._first_row_at = self._drawn_at = None
+        self.draw_seconds, self.draws, self._pending = 0.0, 0, False
+        self._live = None   # (figure, each axis's kind, whether it had rows) reused between redraws
         self.redraw()
+        self.draw_seconds, self.draws, self._drawn_at = 0.0, 0, None  # the empty figure precedes the run
 
     @classmethod
     def from_jsonl(cls, path, **kwargs) -> "LiveMetrics":
@@ -129,14 +146,34 @@ class LiveMetrics:
     # -- data
 
     def update(self, metrics: dict):
-        """Append one rollout's metrics (a `GRPOTrainer.run(on_metrics=...)` callback) and redraw."""
+        """Append one metric row (a `GRPOTrainer.run(on_metrics=...)` callback): the status line now, the
+        figure when a redraw is due (see the class's cost rule)."""
+        now = time.perf_counter()
+        if self._first_row_at is None:
+            self._first_row_at = now
         self.history.append(dict(metrics))
-        self.redraw()
+        if self._redraw_due(now):
+            self.redraw()
+        else:
+            self._pending = True
+            self._set_status()
 
     def extend(self, rows):
         """Append many rollouts and redraw once."""
         self.history.extend(dict(r) for r in rows)
         self.redraw()
+
+    def finish(self):
+        """Draw what is not drawn yet (the end of a run)."""
+        if self._pending:
+            self.redraw()
+
+    def _redraw_due(self, now: float) -> bool:
+        if "rollout/raw_reward" not in self.history[-1]:   # at most once a rollout: on its rollout row
+            return False
+        if self._drawn_at is not None and now - self._drawn_at < self.min_interval_s:
+            return False
+        return self.draw_seconds <= self.redraw_share * (now - self._first_row_at)
 
     def steps(self) -> np.ndarray:
         """The x of each point: the metrics' own "step" (a resumed run starts past 0), else its index."""
@@ -171,27 +208,79 @@ class LiveMetrics:
 
     # -- rendering
 
+    def progress(self) -> str:
+        """rollout k/N, optimizer step, ETA and tokens/s, from the rows so far."""
+        done = self.rollouts
+        parts = [f"rollout {done}/{self.total_rollouts}" if self.total_rollouts else f"{done} rollouts"]
+        step = next((h["train/step"] for h in reversed(self.history) if h.get("train/step") is not None), None)
+        if step is not None:
+            parts.append(f"optimizer step {step}")
+        if self.total_rollouts and done and self._first_row_at is not None:
+            elapsed = time.perf_counter() - self._first_row_at
+            left = max(0, self.total_rollouts - done) * elapsed / done
+            parts.append(f"ETA {int(left // 60)}:{int(left % 60):02d}")
+        rate = next((h["perf/tokens_per_s"] for h in reversed(self.history) if h.get("perf/tokens_per_s")), None)
+        if rate is not None:
+            parts.append(f"{rate:.4g} tokens/s")
+        return " · ".join(parts)
+
     @property
     def text(self) -> str:
         if not self.history:
             return "no rollouts yet"
         last = self.history[-1]
-        parts = [f"step {last.get('step', len(self.history) - 1)} ({self.rollouts} rollouts)"]
+        parts = [f"step {last.get('step', len(self.history) - 1)} ({self.progress()})"]
         for name in self.metric_names[:4]:
             holder = next((h for h in reversed(self.history) if name in h), last)  # its latest value
             value = _value(holder, name)
             parts.append(f"{name} = {value:.4g}" if math.isfinite(value) else f"{name} = {holder.get(name)}")
         return ", ".join(parts)
 
-    def redraw(self):
+    def _set_status(self):
         self.status.value = f"<div style='font-family:monospace;font-size:0.85em'>{html.escape(self.text)}</div>"
+
+    def redraw(self):
+        started = time.perf_counter()
+        self._set_status()
         # set as the Output's outputs (no `with output:`), so it also works outside a kernel; no tight
         # bounding box (the layout is fixed), which halves the time of a redraw
         buf = io.BytesIO()
-        self.figure().savefig(buf, format="png", dpi=LIVE_DPI)
+        self._live_figure().savefig(buf, format="png", dpi=LIVE_DPI)
         self.output.outputs = ({"output_type": "display_data", "metadata": {},
                                 "data": {"image/png": base64.b64encode(buf.getvalue()).decode(),
                                          "text/plain": f"GRPO metrics: {self.text}"}},)
+        self._drawn_at = time.perf_counter()
+        self.draw_seconds += self._drawn_at - started
+        self.draws += 1
+        self._pending = False
+
+    def _axis_kind(self, name: str):
+        """What decides how an axis is built: whether it has points, its non-finite marks, its scale."""
+        _, values, bad_x = self.points(name)
+        finite = values[np.isfinite(values)]
+        return bool(len(finite)), len(bad_x), name in LOG_METRICS and bool(len(finite)) and bool((finite > 0).all())
+
+    def _live_figure(self) -> Figure:
+        """The figure with the current rows: the last one's lines updated in place while every axis keeps
+        its kind, else built anew."""
+        kinds = [self._axis_kind(n) for n in self.metric_names]
+        if self._live is None or not self._live[2] or self._live[1] != kinds:
+            figure = self.figure()
+            self._live = (figure, kinds, bool(self.history))
+            return figure
+        figure = self._live[0]
+        for ax, name in zip(figure.axes, self.metric_names):
+            steps, values, bad_x = self.points(name)
+            series = [line for line in ax.lines if line.get_gid() == SERIES_GID]
+            if series:
+                series[0].set_data(steps, values)
+                ax.relim()
+                ax.autoscale_view(scalex=False)
+            xs = np.concatenate([steps, bad_x])
+            if len(xs):
+                ax.set_xlim(float(xs.min()) - 0.5, float(xs.max()) + 0.5)
+        figure.suptitle(f"GRPO run ({self.variant}): {self.rollouts} rollouts", fontsize=12)
+        return figure
 
     def figure(self) -> Figure:
         """The small multiples, `MAX_WIDTH_IN` wide (an output area shows them unscaled), every label
@@ -270,12 +359,15 @@ class LiveMetrics:
 
 class HealthTable:
     """The recipe's healthy-run table against a run: rows of `glmkit.rl.health.verdicts(history, variant)`
-    ({"metric", "expected", "observed", "verdict", "why"}), each row coloured by its verdict."""
+    ({"metric", "expected", "observed", "verdict", "why"}), each row coloured by its verdict; below it,
+    when given, the framework's other metrics the run logged (`glmkit.rl.health.observations`: first ->
+    last per rollout, min - max), reported without a verdict since the recipe gives them no range."""
 
     COLUMNS = ("metric", "expected", "observed", "verdict", "why")
 
-    def __init__(self, rows: list[dict]):
+    def __init__(self, rows: list[dict], observations: list[dict] = ()):
         self.rows = [dict(r) for r in rows]
+        self.observations = [dict(r) for r in observations]
         self.widget = W.HTML(self.html)
 
     @staticmethod
@@ -321,7 +413,20 @@ class HealthTable:
             body.append(f"<tr class='verdict-{verdict.replace(' ', '-')}' "
                         f"style='background:{self.background(verdict)}'>{''.join(cells)}</tr>")
         return (f"<div style='font-size:0.85em'><div style='margin-bottom:4px'>{html.escape(self.text)}</div>"
-                f"<table style='border-collapse:collapse'><tr>{head}</tr>{''.join(body)}</table></div>")
+                f"<table style='border-collapse:collapse'><tr>{head}</tr>{''.join(body)}</table>"
+                f"{self._observations_html(style)}</div>")
+
+    def _observations_html(self, style: str) -> str:
+        if not self.observations:
+            return ""
+        head = "".join(f"<th style='{style};background:#f4f4f4'>{c}</th>"
+                       for c in ("metric (reported, no recipe range)", "first → last", "min – max", "rollouts"))
+        body = "".join(
+            f"<tr><td style='{style}'><code>{html.escape(str(r['metric']))}</code></td>"
+            f"<td style='{style}'>{r['first']:.4g} → {r['last']:.4g}</td>"
+            f"<td style='{style}'>{r['min']:.4g} – {r['max']:.4g}</td><td style='{style}'>{r['rollouts']}</td></tr>"
+            for r in self.observations)
+        return f"<table style='border-collapse:collapse;margin-top:8px'><tr>{head}</tr>{body}</table>"
 
     def _repr_html_(self) -> str:
         return self.html

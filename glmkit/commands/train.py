@@ -28,7 +28,7 @@ def _train_config(args):
 
 
 def cmd_train(args) -> int:
-    from glmkit.rl.health import format_table, verdicts
+    from glmkit.rl.health import format_observations, format_table, verdicts
     from glmkit.rl.loop import GRPOTrainer
 
     from glmkit.rl.health import run_verdict
@@ -73,6 +73,8 @@ def cmd_train(args) -> int:
           f"{last.get('rollout/raw_reward', float('nan')):.3f}; metrics: {cfg.metrics_out}")
     print(format_table(verdicts(history, cfg.model_name)))
     result = run_verdict(history, cfg.model_name)
+    if result["observations"]:
+        print(format_observations(result["observations"]))
     _print_verdict("run verdict", result)
     if stopped is not None:
         return 1
@@ -129,7 +131,7 @@ def add_commands(sub) -> None:
         p.add_argument("--rollout-max-response-len", type=_integer)
         p.add_argument("--rollout-temperature", type=_finite, default=1.0)
         p.add_argument("--rollout-top-p", type=_finite, default=1.0)
-        p.add_argument("--lr", type=_finite, help="Adam learning rate (recipe: 1e-6; the tiny preset: 2e-4)")
+        p.add_argument("--lr", type=_finite, help="Adam learning rate (recipe: 1e-6; the tiny preset: 4e-4)")
         p.add_argument("--eps-clip", type=_finite, default=0.2)
         p.add_argument("--eps-clip-high", type=_finite, default=0.28)
         p.add_argument("--kl-loss-coef", type=_finite, default=0.0)

@@ -28,7 +28,27 @@ import functools
 
 import torch
 
-from glmkit.kernels.backends import FUSE_MODES
+from glmkit.kernels.registry import KernelBackend, OpRegistry, Target
+
+FUSE_MODES = ("auto", "on", "off")
+
+
+def inductor_takes(target: Target) -> str | None:
+    """Where "auto" fuses: CUDA tensors, with triton installed and dynamo supported (CPU inductor
+    needs a C++ compiler and gains little there: "on" asks for it)."""
+    if target.device != "cuda":
+        return f"fused by auto on CUDA only (here: {target.device}; 'on' fuses anywhere)"
+    if not _inductor_runs_on_cuda():
+        return "inductor cannot run on CUDA here (triton missing or dynamo unsupported)"
+    return None
+
+
+# The modes as an operator registry, so a run's plan says whether it fuses and why. The mode a call
+# follows is the run's resolved one, set with `fusing(mode)`.
+REGISTRY = OpRegistry("fuse", auto_order=("on", "off"))
+REGISTRY.register(KernelBackend("off", __name__, "eager torch, one kernel per op (the reference)", reference=True))
+REGISTRY.register(KernelBackend("on", __name__, "elementwise chains compiled by torch.compile (inductor)",
+                                auto_when=inductor_takes))
 
 _MODE = contextvars.ContextVar("glmkit_fuse_mode", default="off")
 

@@ -8,8 +8,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from glmkit.kernels.backends import Backends
 from glmkit.kernels.fuse import fusing
+from glmkit.kernels.registry import KernelPlan
 from glmkit.model import mhc
 from glmkit.model.dsa import SparseMLA
 from glmkit.model.kda import KimiDeltaAttention
@@ -21,14 +21,14 @@ from glmkit.model.packed import Packed
 
 @dataclass(frozen=True)
 class Run:
-    """What one forward needs besides the tokens, fixed for the whole forward: the kernel backends,
-    the layout (packed sequences, one decode step with cache lengths, or a prefill chunk continuing
+    """What one forward needs besides the tokens, fixed for the whole forward: the kernel plan (the
+    backend of every operator, chosen when the path was built: glmkit.model.plan), the layout (packed sequences, one decode step with cache lengths, or a prefill chunk continuing
     cache slots), the decode caches (`states`, filled in place by the layers that own them), routing
     and DSA selections to replay, whether each block is recomputed in the backward (activation
     checkpointing), and an optional `record(layer, site, tensor)` observer that parity captures use
     (sites in glmkit.model.sites). What passes from one layer to the next is a `Carry`."""
 
-    backends: Backends = field(default_factory=Backends)
+    kernels: KernelPlan
     packed: Packed | None = None
     lengths: torch.Tensor | None = None               # decode: cache lengths [B]; a chunk: offsets [N]
     slots: torch.Tensor | None = None                 # a chunk: the cache slot of each packed sequence
@@ -40,10 +40,12 @@ class Run:
     record_scores: bool = False                        # also emit indexer_scores / router_scores
 
     def __post_init__(self):
-        backends = Backends.parse(self.backends)
-        object.__setattr__(self, "backends", backends)
-        object.__setattr__(self, "kda", backends.kda_ops())
-        object.__setattr__(self, "dsa", backends.dsa_ops())
+        if not isinstance(self.kernels, KernelPlan):
+            raise TypeError(f"Run takes a KernelPlan (glmkit.model.plan.plan_kernels(model, backends)), got "
+                            f"{type(self.kernels).__name__}")
+        for op in ("kda", "dsa", "indexer", "moe"):  # each backend's module, looked up once per forward
+            object.__setattr__(self, op, self.kernels[op].ops)
+        object.__setattr__(self, "fuse", self.kernels["fuse"].name)
 
     def emit(self, layer: int, site: str, value):
         if self.record is not None:
@@ -90,7 +92,7 @@ class DecoderBlock(nn.Module):
     def forward(self, streams: torch.Tensor, run: Run, carry: Carry = Carry()) -> tuple[torch.Tensor, Carry]:
         """streams [T, n, D] (packed tokens, or one token per request when decoding) -> (same shape, the
         carry for the next layer)."""
-        with fusing(run.backends.fuse):
+        with fusing(run.fuse):
             return self._forward(streams, run, carry)
 
     def _forward(self, streams: torch.Tensor, run: Run, carry: Carry) -> tuple[torch.Tensor, Carry]:
@@ -114,13 +116,13 @@ class DecoderBlock(nn.Module):
             replay = run.topk_replay.get(L)
             if run.slots is not None:
                 out, used, own = self.self_attn.forward_chunk(x, run.packed, run.slots, run.lengths, state, run.dsa,
-                                                              carry.topk, replay, on_scores)
+                                                              carry.topk, replay, on_scores, run.indexer)
             elif run.packed is not None:
                 out, used, own = self.self_attn.forward_packed(x, run.packed, run.dsa, carry.topk, state, replay,
-                                                               on_scores)
+                                                               on_scores, run.indexer)
             else:
                 out, used, own = self.self_attn.forward_step(x, run.lengths, state, run.dsa, carry.topk, replay,
-                                                             on_scores)
+                                                             on_scores, run.indexer)
             # the site reports this path's own choice (a shared indexer's is the layer's before it),
             # so a replayed run still shows where its indexer would have differed
             carry = Carry(used, own if own is not None else carry.own_topk,
@@ -136,7 +138,7 @@ class DecoderBlock(nn.Module):
         run.emit(L, "ffn_hc.pre", pre), run.emit(L, "ffn_hc.post", post), run.emit(L, "ffn_hc.comb", comb)
         run.emit(L, "mlp_in", x)
         if self.is_moe:
-            out, routing = self.mlp(x, run.routing.get(L), run.backends.moe)
+            out, routing = self.mlp(x, run.routing.get(L), run.moe)
             if run.record_scores:
                 run.emit(L, "router_scores", routing.choice_scores)
             run.emit(L, "router_experts", routing.experts)

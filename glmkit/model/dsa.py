@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from glmkit.kernels.indexer import naive as indexer_naive
 from glmkit.model.indexer import IndexerState, LightningIndexer
 from glmkit.model.norms import RMSNorm
 from glmkit.model.packed import Packed
@@ -68,18 +69,19 @@ class SparseMLA(nn.Module):
         return q_resid, q, latent
 
     def forward_packed(self, x, packed: Packed, dsa, shared_topk=None, state: DSAState | None = None,
-                       replay=None, on_scores=None):
+                       replay=None, on_scores=None, indexer_ops=indexer_naive):
         """x [T, D] packed -> (out [T, D], selection used [T, W], own selection [T, width] or None for
         a shared indexer) through the DSA kernel backend `dsa`. `state` receives the latents (and
         indexer cache) of every sequence, for decoding after a prefill. `replay` [T, W'] (packed ids,
         -1 empty) replaces the selection of every row that has an id (top-k replay; the indexer still
-        runs, to fill caches, report its own choice and its scores to `on_scores`)."""
+        runs, to fill caches, report its own choice and its scores to `on_scores`). `indexer_ops`: the
+        indexer backend (glmkit.kernels.indexer); every forward_* takes one."""
         q_resid, q, latent = self._project(x)
         if state is not None:
             state.latent[packed.seq_index, packed.positions] = latent
         if self.indexer is not None:
             topk = self.indexer.select_packed(x, q_resid, packed, state.indexer if state is not None else None,
-                                              on_scores)
+                                              on_scores, indexer_ops)
         elif shared_topk is None and replay is None:
             raise ValueError("a DSA layer with a shared indexer needs the top-k of the layer before it")
         else:
@@ -89,7 +91,7 @@ class SparseMLA(nn.Module):
         return self.o_proj(out.flatten(-2)), used, topk if self.indexer is not None else None
 
     def forward_chunk(self, x, packed: Packed, slots, offsets, state: DSAState, dsa, shared_topk=None,
-                      replay=None, on_scores=None):
+                      replay=None, on_scores=None, indexer_ops=indexer_naive):
         """x [T, D]: the next tokens of N requests, packed; request n continues cache slot slots[n]
         after its offsets[n] cached tokens -> (out [T, D], positions used, own positions or None), as
         forward_step: selections are cache positions, the latents are written into the cache first."""
@@ -98,7 +100,7 @@ class SparseMLA(nn.Module):
         positions = offsets[packed.seq_index] + packed.positions
         state.latent[row_slots, positions] = latent
         if self.indexer is not None:
-            topk = self.indexer.select_cached(x, q_resid, row_slots, positions, state.indexer, on_scores)
+            topk = self.indexer.select_cached(x, q_resid, row_slots, positions, state.indexer, on_scores, indexer_ops)
         elif shared_topk is None and replay is None:
             raise ValueError("a DSA layer with a shared indexer needs the top-k of the layer before it")
         else:
@@ -107,14 +109,15 @@ class SparseMLA(nn.Module):
         out = dsa.attend_cache(q, state.latent, self.kv_b_proj.weight, used, row_slots, self.scale)
         return self.o_proj(out.flatten(-2)), used, topk if self.indexer is not None else None
 
-    def forward_step(self, x, lengths, state: DSAState, dsa, shared_topk=None, replay=None, on_scores=None):
+    def forward_step(self, x, lengths, state: DSAState, dsa, shared_topk=None, replay=None, on_scores=None,
+                     indexer_ops=indexer_naive):
         """x [B, D] new tokens at cache positions `lengths` [B] -> (out [B, D], positions used, own
         positions or None), as forward_packed; `replay` [B, W'] holds cache positions."""
         q_resid, q, latent = self._project(x)
         rows = torch.arange(x.shape[0], device=x.device)
         state.latent[rows, lengths] = latent
         if self.indexer is not None:
-            topk = self.indexer.select_step(x, q_resid, lengths, state.indexer, on_scores)
+            topk = self.indexer.select_step(x, q_resid, lengths, state.indexer, on_scores, indexer_ops)
         else:
             topk = shared_topk
         used = replayed(topk, replay)

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from glmkit.kernels.indexer import naive as indexer_naive
 from glmkit.model.packed import Packed
 
 # Query rows scored at once against all pools: bounds the [rows, heads, pools] score tensor.
@@ -70,26 +71,23 @@ class LightningIndexer(nn.Module):
         """x [..., D] -> (k_I [..., dI], gate logits [..., dI])."""
         return self.k_norm(self.wk(x)), F.linear(x, self.index_kpool_compress_gate)
 
-    def _compress(self, keys, gates):
+    def _compress(self, keys, gates, ops):
         """keys, gates [..., kpool, dI] -> pool keys [..., dI]: gated softmax average per channel."""
-        probs = (gates.float() + self.index_kpool_compress_ape.float()).softmax(dim=-2).to(keys.dtype)
-        return (probs * keys).sum(-2)
+        return ops.compress(keys, gates, self.index_kpool_compress_ape)
 
-    def _pool(self, keys, gates):
+    def _pool(self, keys, gates, ops=indexer_naive):
         """Complete pools: keys, gates [P*kpool, dI] -> pool keys [P, dI]."""
-        return self._compress(keys.unflatten(0, (-1, self.kpool)), gates.unflatten(0, (-1, self.kpool)))
+        return self._compress(keys.unflatten(0, (-1, self.kpool)), gates.unflatten(0, (-1, self.kpool)), ops)
 
     def _query(self, x, q_resid):
         q = self.wq_b(q_resid).unflatten(-1, (self.n_heads, self.head_dim)).float()
         w = self.weights_proj(x).float() * self.n_heads ** -0.5
         return q, w
 
-    def _scores(self, q, w, pools):
+    def _scores(self, q, w, pools, ops):
         """q [B, J, nI, dI], w [B, J, nI], pools [B, P, dI] -> [B, J, P] (fp32): J query rows of each
         batch entry against that entry's pools, one batched GEMM."""
-        B, J, nI, dI = q.shape
-        s = torch.bmm(q.reshape(B, J * nI, dI), pools.float().transpose(1, 2)) * self.head_dim ** -0.5
-        return (w.unsqueeze(-2) @ F.relu(s).view(B, J, nI, -1)).squeeze(-2)
+        return ops.scores(q, w, pools, self.head_dim)
 
     def _candidates_only(self, scores, visible_count):
         """scores [R, P] with -inf where a pool is not complete and visible to the row."""
@@ -123,11 +121,13 @@ class LightningIndexer(nn.Module):
 
     # ---- train path and prefill -------------------------------------------------------------
     @torch.no_grad()
-    def select_packed(self, x, q_resid, packed: Packed, state: IndexerState | None = None, on_scores=None):
+    def select_packed(self, x, q_resid, packed: Packed, state: IndexerState | None = None, on_scores=None,
+                      ops=indexer_naive):
         """x [T, D], q_resid [T, q_lora] -> selected token ids [T, width] as packed (global) indices.
         With `state`, also fills the decode cache of every sequence (slot n = sequence n). With
         `on_scores`, calls it with every row's pool scores [T, max pools of a sequence] (fp32,
-        -inf where a pool is not a candidate): what a tie judgement needs.
+        -inf where a pool is not a candidate): what a tie judgement needs. `ops`: the indexer backend
+        (a module of glmkit.kernels.indexer; every select_* takes one).
 
         All sequences go at once, a few kernels per query block rather than per sequence: pools of
         the whole batch in one gather, and per block the rows at positions [j0, j1) of every
@@ -149,7 +149,7 @@ class LightningIndexer(nn.Module):
         pool_seq = torch.repeat_interleave(torch.arange(len(lengths), device=device), pools_t, output_size=total_pools)
         pool_local = torch.arange(total_pools, device=device) - (pools_t.cumsum(0) - pools_t)[pool_seq]
         pool_rows = (starts[pool_seq] + pool_local * kp)[:, None] + torch.arange(kp, device=device)
-        pools = self._compress(keys[pool_rows], gates[pool_rows])  # [all pools, dI]
+        pools = self._compress(keys[pool_rows], gates[pool_rows], ops)  # [all pools, dI]
         if state is not None:
             state.keys[packed.seq_index, packed.positions] = keys
             state.gates[packed.seq_index, packed.positions] = gates
@@ -172,7 +172,7 @@ class LightningIndexer(nn.Module):
             valid = pos[None] < lengths_t[seqs][:, None]  # [A, J]: rows past a sequence's end are padding
             row = starts[seqs][:, None] + pos
             src = torch.where(valid, row, 0)
-            scores = self._scores(q[src], w[src], pooled[seqs, :seen]).flatten(0, 1)  # [A*J, seen]
+            scores = self._scores(q[src], w[src], pooled[seqs, :seen], ops).flatten(0, 1)  # [A*J, seen]
             visible = (pos + 1).expand(A, -1).flatten()
             sel = self._expand(scores, visible).view(A, len(pos), -1)
             dest = torch.where(valid, row, T).flatten()
@@ -186,7 +186,7 @@ class LightningIndexer(nn.Module):
 
     # ---- rollout: a prefill chunk that continues a cache ---------------------------------------
     @torch.no_grad()
-    def select_cached(self, x, q_resid, slots, positions, state: IndexerState, on_scores=None):
+    def select_cached(self, x, q_resid, slots, positions, state: IndexerState, on_scores=None, ops=indexer_naive):
         """x [T, D] rows at cache `positions` [T] of cache `slots` [T] (a prefill chunk that continues
         a cache; several rows per slot) -> cache positions [T, width], as select_step gives them.
 
@@ -202,12 +202,12 @@ class LightningIndexer(nn.Module):
             span = (visible[done] - self.kpool)[:, None] + torch.arange(self.kpool, device=x.device)
             at = slots[done, None]
             state.pools[slots[done], visible[done] // self.kpool - 1] = self._compress(state.keys[at, span],
-                                                                                    state.gates[at, span])
+                                                                                    state.gates[at, span], ops)
         q, w = self._query(x, q_resid)
         P = state.pools.shape[1]
         block = max(1, _SCORE_BUDGET // max(1, self.n_heads * P))
         scores = torch.cat([self._scores(q[r0:r0 + block, None], w[r0:r0 + block, None],
-                                         state.pools[slots[r0:r0 + block]])[:, 0]
+                                         state.pools[slots[r0:r0 + block]], ops)[:, 0]
                             for r0 in range(0, x.shape[0], block)])
         if on_scores is not None:
             on_scores(self._candidates_only(scores, visible)[:, :int(visible.max()) // self.kpool])
@@ -215,7 +215,7 @@ class LightningIndexer(nn.Module):
 
     # ---- rollout decode ----------------------------------------------------------------------
     @torch.no_grad()
-    def select_step(self, x, q_resid, lengths, state: IndexerState, on_scores=None):
+    def select_step(self, x, q_resid, lengths, state: IndexerState, on_scores=None, ops=indexer_naive):
         """x [B, D] new tokens at cache positions `lengths` [B] -> cache positions [B, width]
         (`on_scores` as in select_packed, [B, cache pools]).
 
@@ -230,11 +230,11 @@ class LightningIndexer(nn.Module):
         visible = lengths + 1
         completed = visible % self.kpool == 0
         span = (visible - self.kpool).clamp(min=0)[:, None] + torch.arange(self.kpool, device=x.device)
-        pooled = self._compress(state.keys[rows[:, None], span], state.gates[rows[:, None], span])
+        pooled = self._compress(state.keys[rows[:, None], span], state.gates[rows[:, None], span], ops)
         slot = (visible // self.kpool - 1).clamp(min=0)
         state.pools[rows, slot] = torch.where(completed[:, None], pooled, state.pools[rows, slot])
         q, w = self._query(x, q_resid)
-        scores = self._scores(q[:, None], w[:, None], state.pools)[:, 0]
+        scores = self._scores(q[:, None], w[:, None], state.pools, ops)[:, 0]
         if on_scores is not None:  # an observer (parity, debugging) reads back: the pools seen so far
             on_scores(self._candidates_only(scores, visible)[:, :int(visible.max()) // self.kpool])
         return self._expand(scores, visible)

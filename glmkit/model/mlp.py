@@ -3,15 +3,9 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from glmkit.kernels.fuse import fusable
-
-
-@fusable
-def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
-    return F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+from glmkit.kernels.swiglu import clamped_swiglu  # noqa: F401 (re-exported: the MLP's activation)
 
 
 class MLP(nn.Module):

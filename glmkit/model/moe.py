@@ -11,12 +11,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from glmkit.kernels.fuse import fusable
-from glmkit.model.mlp import MLP, clamped_swiglu
-
-IMPLS = ("auto", "loop", "grouped")
-# Each expert's rows in the grouped buffer start at a multiple of this many rows.
-GROUP_ALIGN = 16
+from glmkit.kernels.moe import BACKENDS as IMPLS, REGISTRY, get_backend
+from glmkit.kernels.moe.loop import swiglu_expert
+from glmkit.kernels.registry import Target
+from glmkit.model.mlp import MLP
 
 
 @dataclass
@@ -54,11 +52,14 @@ class Router(nn.Module):
         return Routing(experts, weights * self.scaling, choice)
 
 
+def expert_target(x: torch.Tensor, hidden: int, intermediate: int) -> Target:
+    """Where routed experts run on x: its device and dtype, and the experts' sizes."""
+    return Target.of(x.device, x.dtype, hidden=hidden, expert_intermediate=intermediate)
+
+
 def grouped_mm_available(x: torch.Tensor, hidden: int, intermediate: int) -> bool:
-    """Whether `torch._grouped_mm` can run the experts on x: CUDA, bf16 (its only dtype there), and
-    rows of 16-byte multiples (8 bf16 values) in every operand."""
-    return (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
-            and hidden % 8 == 0 and intermediate % 8 == 0)
+    """Whether the "grouped" backend can run the experts on x (the registry's verifier)."""
+    return REGISTRY.get("grouped").why_not(expert_target(x, hidden, intermediate)) is None
 
 
 class GroupedExperts(nn.Module):
@@ -127,75 +128,13 @@ class GroupedExperts(nn.Module):
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert e's SwiGLU: x [N, D] -> [N, D]."""
-        return self._swiglu(x, self.gate_up_proj[e], self.down_proj[e])
+        return swiglu_expert(x, self.gate_up_proj[e], self.down_proj[e], self.swiglu_limit)
 
-    def _swiglu(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-        """x [N, D], one expert's gate_up [2I, D] and down [D, I] -> [N, D]."""
-        gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
-        return F.linear(clamped_swiglu(gate, up, self.swiglu_limit), down)
-
-    def forward(self, x: torch.Tensor, routing: Routing, impl: str) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, routing: Routing, impl) -> torch.Tensor:
         """x [T, D] -> sum over the k chosen experts of weight * expert(x), [T, D] in x.dtype.
-        impl: "loop" or "grouped" (MoE.forward resolves "auto")."""
-        if impl == "grouped":
-            return self._grouped(x, routing)
-        return self._loop(x, routing)
-
-    def _loop(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
-        """One GEMM pair per expert that has tokens: the CPU path, and the reference for "grouped"."""
-        flat_expert = routing.experts.flatten()
-        order = flat_expert.argsort(stable=True)
-        token_of = order // routing.experts.shape[1]
-        counts = torch.bincount(flat_expert, minlength=self.num_experts).tolist()
-        flat_weight = routing.weights.flatten()[order]
-        # unbound once: the backward stacks all experts' gradients into one [E, ...] tensor, where
-        # indexing per expert would add a full-size zero-padded gradient for every expert used
-        gate_ups, downs = self.gate_up_proj.unbind(0), self.down_proj.unbind(0)
-        out = torch.zeros_like(x)
-        start = 0
-        for e, n in enumerate(counts):
-            if n:
-                rows = token_of[start:start + n]
-                y = self._swiglu(x[rows], gate_ups[e], downs[e]) * flat_weight[start:start + n, None]
-                out.index_add_(0, rows, y.to(out.dtype))
-            start += n
-        return out
-
-    def _grouped(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
-        """Two `torch._grouped_mm` calls over a buffer holding each (token, slot) pair once, grouped by
-        expert; no loop over experts and no host sync (the buffer has its upper-bound size)."""
-        T, k = routing.experts.shape
-        E, D, slots = self.num_experts, x.shape[1], T * k
-        arange = torch.arange(slots + E * (GROUP_ALIGN - 1), device=x.device)
-        flat_expert = routing.experts.flatten()
-        sorted_expert, order = flat_expert.sort(stable=True)
-        # per expert [E]: its run in the sorted slots, and its rows in the buffer (padded to GROUP_ALIGN)
-        sorted_end = torch.searchsorted(sorted_expert, arange[:E], right=True)
-        counts = sorted_end.diff(prepend=sorted_end.new_zeros(1))
-        padded = (counts + GROUP_ALIGN - 1) // GROUP_ALIGN * GROUP_ALIGN
-        padded_end = padded.cumsum(0)
-        shift = (padded_end - padded) - (sorted_end - counts)  # buffer start - sorted start
-        sorted_row = arange[:slots] + shift[sorted_expert]
-        row_of_slot = torch.empty_like(sorted_row).scatter_(0, order, sorted_row)  # [T*k], slot t*k+j
-        # every row is written once (index_copy) and read once (index_select), so forward and backward
-        # are free of accumulation; each token's k copies come from expand, whose backward is a sum over k
-        x_per_slot = x.unsqueeze(1).expand(T, k, D).reshape(slots, D)
-        buffer = x.new_zeros(len(arange), D).index_copy(0, row_of_slot, x_per_slot)
-        offs = padded_end.to(torch.int32)
-        gate_up = torch._grouped_mm(buffer, self.gate_up_proj.transpose(-2, -1), offs=offs)
-        # _grouped_mm leaves the rows past offs[-1] uninitialised: zero them before SwiGLU, whose
-        # forward and backward would otherwise turn garbage into inf / NaN
-        gate_up = gate_up.masked_fill((arange >= padded_end[-1]).unsqueeze(1), 0)
-        gate, up = gate_up.chunk(2, dim=-1)
-        hidden = clamped_swiglu(gate, up, self.swiglu_limit)
-        y = torch._grouped_mm(hidden, self.down_proj.transpose(-2, -1), offs=offs)
-        return weighted_sum(y.index_select(0, row_of_slot).view(T, k, D), routing.weights)
-
-
-@fusable
-def weighted_sum(per_slot: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """per_slot [T, k, D], weights [T, k] -> sum_j weights_j * per_slot_j [T, D], fp32 sum."""
-    return (per_slot.float() * weights.unsqueeze(-1)).sum(1).to(per_slot.dtype)
+        impl: a backend module of glmkit.kernels.moe, or its name ("loop", "grouped")."""
+        ops = get_backend(impl) if isinstance(impl, str) else impl
+        return ops.experts(x, routing.experts, routing.weights, self.gate_up_proj, self.down_proj, self.swiglu_limit)
 
 
 class MoE(nn.Module):
@@ -211,14 +150,15 @@ class MoE(nn.Module):
         self.shared_experts = MLP(D, I * config.n_shared_experts, config.swiglu_limit)
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor | None = None,
-                impl: str = "auto") -> tuple[torch.Tensor, Routing]:
+                impl="auto") -> tuple[torch.Tensor, Routing]:
         """x [T, D] -> ([T, D], Routing). `experts` [T, k] replays a routing (see Router.forward).
-        impl: "loop" (expert by expert), "grouped" (torch._grouped_mm; CUDA bf16) or "auto" (grouped
-        where it can run, else loop)."""
-        if impl not in IMPLS:
-            raise ValueError(f"impl={impl!r}; allowed: {', '.join(IMPLS)}")
-        if impl == "auto":
-            fits = grouped_mm_available(x, self.experts.hidden, self.experts.intermediate)
-            impl = "grouped" if fits else "loop"
+        impl: a backend module of glmkit.kernels.moe (a path's kernel plan passes its choice), or a
+        name: "loop" (expert by expert), "grouped" (torch._grouped_mm; CUDA bf16) or "auto" (the
+        registry's rule for x: grouped where it can run, else loop)."""
+        if isinstance(impl, str):
+            if impl not in IMPLS:
+                raise ValueError(f"impl={impl!r}; allowed: {', '.join(IMPLS)}")
+            if impl == "auto":
+                impl = REGISTRY.resolve("auto", expert_target(x, self.experts.hidden, self.experts.intermediate)).ops
         routing = self.gate(x, experts)
         return self.experts(x, routing, impl) + self.shared_experts(x), routing

@@ -20,9 +20,9 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from glmkit.kernels.backends import Backends
+from glmkit.model.plan import ModelKernels
 from glmkit.model.block import Run
 from glmkit.model.model import Glm5Model
-from glmkit.model.moe import grouped_mm_available
 from glmkit.model.packed import pack, to_device
 
 
@@ -95,16 +95,14 @@ class RolloutSide(Protocol):
 class RolloutEngine:
     def __init__(self, model: Glm5Model, backends: Backends | str | None = None):
         self.model = model
-        self.backends = Backends.parse(backends)
-        self.backends.kda_ops(), self.backends.dsa_ops()  # an unavailable backend fails here, named
+        self.kernels = ModelKernels(model, backends)  # every operator's backend, chosen here (see .plan)
+        self.backends = self.kernels.backends
 
     def can_graph(self) -> bool:
         """Whether decode steps can run as CUDA graphs (GraphedStep): caches on CUDA and every MoE layer
         on the grouped GEMMs (the per-expert loop reads expert counts back to the host)."""
-        probe = torch.empty(0, dtype=self.model.dtype, device=self.model.device)
-        config = self.model.config
-        return (probe.is_cuda and self.backends.moe != "loop"
-                and grouped_mm_available(probe, config.hidden_size, config.moe_intermediate_size))
+        plan = self.kernels.plan
+        return plan.target.device == "cuda" and plan["moe"].name == "grouped"
 
     def _empty_states(self, batch: int, capacity: int):
         dtype, device = self.model.dtype, self.model.device
@@ -125,7 +123,7 @@ class RolloutEngine:
             raise ValueError(f"capacity {capacity} is shorter than the longest prompt ({max(packed.lengths())})")
         states = self._empty_states(packed.num_sequences, capacity)
         replay = {layer: packed.to_global(rows) for layer, rows in (topk_replay or {}).items()}
-        run = Run(self.backends, packed=packed, states=states, record=record, topk_replay=replay,
+        run = Run(self.kernels.plan, packed=packed, states=states, record=record, topk_replay=replay,
                   record_scores=record_scores)
         hidden = self.model.hidden(input_ids, run)
         if rows is not None:
@@ -159,7 +157,7 @@ class RolloutEngine:
         needed = int((offsets + added).max())
         if needed > capacity:
             raise ValueError(f"a chunk takes its request to {needed} tokens; the cache holds {capacity}")
-        run = Run(self.backends, packed=packed, lengths=offsets, slots=slot_ids, states=batch.states, record=record)
+        run = Run(self.kernels.plan, packed=packed, lengths=offsets, slots=slot_ids, states=batch.states, record=record)
         hidden = self.model.hidden(input_ids, run)
         rows = hidden if all_logits else hidden[packed.last_indices()]
         batch.lengths = batch.lengths.index_add(0, slot_ids, added)
@@ -178,7 +176,7 @@ class RolloutEngine:
     def _decode(self, batch: DecodeBatch, tokens, record=None, topk_replay=None, record_scores=False):
         """One token per request through the model into the caches -> logits [B, V] (fp32); the
         caller advances the lengths."""
-        run = Run(self.backends, lengths=batch.lengths, states=batch.states, record=record,
+        run = Run(self.kernels.plan, lengths=batch.lengths, states=batch.states, record=record,
                   topk_replay=topk_replay or {}, record_scores=record_scores)
         return self.model.lm_head(self.model.hidden(tokens, run)).float()
 

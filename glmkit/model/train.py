@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from glmkit.kernels.backends import Backends
+from glmkit.model.plan import ModelKernels
 from glmkit.kernels.fuse import fusable, fusing
 from glmkit.model.block import Run
 from glmkit.model.head import LogprobHead
@@ -64,12 +65,12 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
 class TrainPath:
     def __init__(self, model: Glm5Model, backends: Backends | str | None = None, recompute: bool = False):
         self.model = model
-        self.backends = Backends.parse(backends)
-        self.backends.kda_ops(), self.backends.dsa_ops()  # an unavailable backend fails here, named
+        self.kernels = ModelKernels(model, backends)  # every operator's backend, chosen here (see .plan)
+        self.backends = self.kernels.backends
         self.recompute = recompute
 
     def _head(self, rows, targets, temperature, want_entropy, keep_logits):
-        with fusing(self.backends.fuse):
+        with fusing(self.kernels.plan["fuse"].name):
             return LogprobHead.apply(rows, self.model.lm_head.weight, targets, temperature, want_entropy,
                                      keep_logits)
 
@@ -97,7 +98,7 @@ class TrainPath:
                 record(layer, site, value)
 
         replay = {layer: packed.to_global(rows) for layer, rows in (topk_replay or {}).items()}
-        run = Run(self.backends, packed=packed, record=observe, routing=dict(routing or {}),
+        run = Run(self.kernels.plan, packed=packed, record=observe, routing=dict(routing or {}),
                   recompute=self.recompute, topk_replay=replay, record_scores=record_scores)
         hidden = self.model.hidden(input_ids, run)
         logprobs, logits, entropy = [], [], []

@@ -324,7 +324,9 @@ def kda_error_vs_position(model, sequence, backends: Backends | str | None = Non
     from glmkit.model import TrainPath
 
     TrainPath(model, backends).forward([sequence], record=capture_train_inputs)
-    kda, packed = Backends.parse(backends).kda_ops(), Packed.from_lengths([len(sequence)], device=model.device)
+    from glmkit.model.plan import plan_kernels
+
+    kda, packed = plan_kernels(model, backends)["kda"].ops, Packed.from_lengths([len(sequence)], device=model.device)
     curves = {}
     for block in model.layers:
         if block.kind != "kda":

@@ -14,6 +14,7 @@ from glmkit.checkpoint import open_checkpoint
 from glmkit.checkpoint.names import EMBED, FINAL_NORM, LM_HEAD
 from glmkit.kernels.backends import Backends
 from glmkit.model.packed import pack
+from glmkit.model.plan import config_target
 from glmkit.model.train import next_token_targets, token_logprobs
 from glmkit.parity.capture import _Collector, _local, _manifest, hook_reference_layer
 from glmkit.parity.dump import Capture
@@ -89,7 +90,7 @@ def stream_parity(checkpoint, sequences, dtype=torch.float32, device="cpu", back
     embed = ckpt.get(EMBED, dtype=dtype, device=device)
     streams = embed[input_ids].unsqueeze(-2).expand(-1, config.hc_mult, -1).contiguous()
     del embed
-    backends = Backends.parse(backends)
+    kernels = Backends.parse(backends).plan(config_target(config, device, dtype))  # chosen once, for every layer
     ref_topk, carry = [None] * packed.num_sequences, Carry()  # what each side hands its next layer
     for i in tqdm(range(config.num_hidden_layers), desc="streaming parity", unit="layer", disable=not progress):
         tensors = ckpt.layer(i, device=device)
@@ -113,7 +114,7 @@ def stream_parity(checkpoint, sequences, dtype=torch.float32, device="cpu", back
             for h in hooks:
                 h.remove()
         # glmkit's block on the same input streams
-        run = Run(backends, packed=packed, record_scores=True,
+        run = Run(kernels, packed=packed, record_scores=True,
                   record=lambda layer, site, v: ours_sink.put(layer, site, _local(v, packed) if site == "indexer_topk" else v))
         _, carry = block(streams, run, carry)
         streams = torch.cat(outs)  # teacher forcing: the reference's output feeds the next layer

@@ -29,14 +29,32 @@ NOT_APPLICABLE = {
 }
 
 
+def per_rollout(history: list[dict], metric: str) -> tuple[list[float], int]:
+    """The metric's value per rollout, in rollout order, and how many rows held it: a metric logged per
+    optimizer step (train/*, several steps a rollout) is averaged over its rollout's steps, as the
+    recipe's table reads "across the first 11 rollouts"."""
+    by_rollout: dict = {}
+    rows = 0
+    for h in history:
+        value = h.get(metric)
+        if value is None or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        rows += 1
+        by_rollout.setdefault(h.get("rollout/step", h.get("step", rows)), []).append(float(value))
+    return [sum(v) / len(v) for v in by_rollout.values()], rows
+
+
 def verdicts(history: list[dict], variant: str) -> list[dict]:
-    """history: the per-rollout metric dicts of a run. -> one row per metric of the table:
-    {"metric", "expected", "observed", "verdict": "within range" | "outside" | "not applicable", "why"}."""
+    """history: the metric rows of a run (train rows per optimizer step, rollout rows per rollout).
+    -> one row per metric of the table: {"metric", "expected", "observed", "verdict": "within range" |
+    "outside" | "not applicable", "why"}; per-step metrics are judged per rollout (their mean)."""
     rows = []
     skip = NOT_APPLICABLE.get(variant, {})
     for metric, spec in HEALTHY_FULL.items():
-        values = [h[metric] for h in history if h.get(metric) is not None]
+        values, count = per_rollout(history, metric)
         observed = _summary(metric, values, spec)
+        if observed is not None and count > len(values):
+            observed += f" ({len(values)} rollouts, {count} steps)"
         if skip.get(metric):
             rows.append(dict(metric=metric, expected=spec["note"], observed=observed, verdict="not applicable",
                              why=skip[metric]))
@@ -77,6 +95,42 @@ def _check(values, spec) -> tuple[bool, str]:
     return about / 10 <= abs(mean) <= about * 10, f"mean {mean:.3g}, within 10x of {about:g}"
 
 
+# The framework's other metrics a researcher reads beside the table (no range in the recipe: reported,
+# not judged), by name or name prefix.
+OBSERVED = ("train/loss", "train/entropy_loss", "train/ess_ratio", "train/tis", "train/tis_clipfrac",
+            "train/pg_clipfrac", "rollout/response_len/mean", "rollout/truncated_ratio", "rollout/repetition_frac",
+            "rollout/zero_std/all_zero_percentage", "rollout/zero_std/all_one_percentage", "rollout/grader_errors",
+            "eval/raw_reward", "eval/pass@", "perf/actor_train_tok_per_s", "perf/actor_train_tflops",
+            "perf/actor_train_mfu", "perf/rollout_time", "perf/step_time")
+
+
+def observations(history: list[dict]) -> list[dict]:
+    """The framework's metrics outside the recipe's table that the run logged: per metric, its first and
+    last per-rollout value, min and max. -> [{"metric", "first", "last", "min", "max", "rollouts"}]."""
+    names = []
+    for h in history:
+        for key in h:
+            if key not in names and any(key == o or (o.endswith("@") and key.startswith(o)) for o in OBSERVED):
+                names.append(key)
+    order = {o: i for i, o in enumerate(OBSERVED)}
+    names.sort(key=lambda k: order.get(k, order.get(k.split("@")[0] + "@", len(order))))
+    rows = []
+    for metric in names:
+        values, _ = per_rollout(history, metric)
+        if values:
+            rows.append({"metric": metric, "first": values[0], "last": values[-1], "min": min(values),
+                         "max": max(values), "rollouts": len(values)})
+    return rows
+
+
+def format_observations(rows: list[dict]) -> str:
+    lines = [f"{'metric (reported, no recipe range)':40s} {'first -> last':28s} {'min - max':24s} rollouts"]
+    for r in rows:
+        lines.append(f"{r['metric']:40s} {r['first']:.4g} -> {r['last']:.4g}".ljust(69)
+                     + f" {r['min']:.4g} - {r['max']:.4g}".ljust(25) + f" {r['rollouts']}")
+    return "\n".join(lines)
+
+
 def format_table(rows: list[dict]) -> str:
     lines = [f"{'metric':40s} {'expected':28s} {'observed':28s} verdict"]
     for r in rows:
@@ -99,7 +153,7 @@ def run_verdict(history: list[dict], variant: str) -> dict:
     "fail" when any of these is broken; `UNDECIDED` ("not enough rollouts to judge") when the run has
     too few rollouts to judge the rise and nothing else failed (a smoke run of a few rollouts).
     -> {"verdict", "reasons": [...], "raw_reward_start", "raw_reward_end", "raw_reward",
-        "grad_norms_finite", "skipped_steps", "health": verdicts(...)}"""
+        "grad_norms_finite", "skipped_steps", "health": verdicts(...), "observations": observations(...)}"""
     rewards = [h["rollout/raw_reward"] for h in history if h.get("rollout/raw_reward") is not None]
     steps = [h for h in history if "train/step" in h]
     skipped = sum(bool(h.get("train/step_skipped")) for h in steps)
@@ -129,4 +183,4 @@ def run_verdict(history: list[dict], variant: str) -> dict:
     verdict = "fail" if failed else UNDECIDED if too_few else "pass"
     return {"verdict": verdict, "reasons": reasons, "raw_reward_start": start,
             "raw_reward_end": end, "raw_reward": rewards, "grad_norms_finite": finite, "skipped_steps": skipped,
-            "health": health}
+            "health": health, "observations": observations(history)}

@@ -1126,8 +1126,10 @@ class GRPOTrainer:
                 self._write(rows, history, stream, on_metrics)
                 last_train = next((r for r in reversed(rows) if "train/step" in r), {})
                 last_rollout = next(r for r in reversed(rows) if "rollout/raw_reward" in r)
-                bar.set_postfix(reward=f"{last_rollout['rollout/raw_reward']:.3f}",
-                                diff=f"{last_train.get('train/train_rollout_logprob_abs_diff') or 0:.1e}")
+                rate = last_rollout.get("perf/tokens_per_s")
+                bar.set_postfix(step=last_train.get("train/step", "-"), reward=f"{last_rollout['rollout/raw_reward']:.3f}",
+                                diff=f"{last_train.get('train/train_rollout_logprob_abs_diff') or 0:.1e}",
+                                tok_s=f"{rate:.0f}" if rate else "-")
                 # --save without --save-interval: one checkpoint, after the last rollout
                 periodic = (step + 1) % cfg.save_interval == 0 if cfg.save_interval else step + 1 == cfg.num_rollout
                 if cfg.save and periodic and self.lead:

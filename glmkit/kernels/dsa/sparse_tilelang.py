@@ -47,27 +47,24 @@ try:
 except ImportError as err:  # the message names the package a user installs
     raise ImportError(f"DSA backend 'tilelang' needs tilelang (pip install tilelang; CUDA SM90) ({err})") from err
 
-from glmkit.kernels.dsa import absorbed, key_blocks, sparse_triton  # noqa: E402 (after the package check)
+from glmkit.kernels.dsa import (TILELANG_HEADS_PER_PROGRAM, TILELANG_LATENT, absorbed, key_blocks,  # noqa: E402
+                                sparse_triton, tilelang_takes)
+from glmkit.kernels.registry import Target  # noqa: E402
 
 LOG2E = sparse_triton.LOG2E
 LN2 = 0.6931471805599453
-HEADS_PER_PROGRAM = 64  # wgmma's M: one warpgroup's row tile
-RANK = 512
+HEADS_PER_PROGRAM = TILELANG_HEADS_PER_PROGRAM  # wgmma's M: one warpgroup's row tile
+RANK = TILELANG_LATENT
 BLOCK_N = 64  # keys per block
 
 
 def supported_shapes(heads: int, rank: int, device: torch.device) -> str | None:
-    """None when the kernel takes `heads` x `rank` queries on `device`, else the reason it does not."""
-    if torch.device(device).type != "cuda":
+    """None when the kernel takes `heads` x `rank` queries on `device`, else the reason it does not
+    (the registry's verifier for this backend, glmkit.kernels.dsa.tilelang_takes)."""
+    device = torch.device(device)
+    if device.type != "cuda":
         return "CUDA tensors only"
-    if rank != RANK:
-        return f"latent rank {RANK} only (got {rank})"
-    if heads % HEADS_PER_PROGRAM:
-        return f"heads a multiple of {HEADS_PER_PROGRAM} only (got {heads})"
-    major, minor = torch.cuda.get_device_capability(device)
-    if major != 9:
-        return f"SM90 (Hopper) only (this GPU is SM{major}{minor})"
-    return None
+    return tilelang_takes(Target.of(device, torch.bfloat16, heads=heads, latent=rank))
 
 
 def _refusal(q_lat: torch.Tensor, latent: torch.Tensor, idx: torch.Tensor) -> str | None:

@@ -10,6 +10,8 @@
 
 The kernel is part of the fused form: `sinkhorn` picks it only while torch.compile traces (a fused
 mHC site, see glmkit.kernels.fuse) on CUDA tensors with triton installed; eager calls keep the loop.
+The registry states that rule for a run's plan (the choice follows the fuse choice: not a knob of
+its own, since the call inside a compiled region cannot read a run's setting without breaking the graph).
 """
 
 from __future__ import annotations
@@ -19,6 +21,19 @@ import importlib.util
 import torch
 
 from glmkit.kernels.mhc import naive
+from glmkit.kernels.registry import KernelBackend, OpRegistry, Target, cuda_in
+
+
+def in_fused_region(target: Target) -> str | None:
+    return None if target.fused else "runs inside a fused (compiled) mHC site only: the run does not fuse"
+
+
+REGISTRY = OpRegistry("mhc", auto_order=("triton", "torch"))
+REGISTRY.register(KernelBackend("torch", "glmkit.kernels.mhc.naive", "Sinkhorn as a torch loop (the reference)",
+                                reference=True))
+REGISTRY.register(KernelBackend("triton", "glmkit.kernels.mhc.sinkhorn_triton",
+                                "every Sinkhorn normalisation of a token in registers, one launch",
+                                packages=("triton",), verify=cuda_in(), auto_when=in_fused_region))
 
 # read once at import: dynamo traces `sinkhorn` below and reads module globals without a graph break
 _HAVE_TRITON = importlib.util.find_spec("triton") is not None
