@@ -250,3 +250,25 @@ def test_glmkit_never_imports_widgets():
     offenders = [str(p) for p in root.rglob("*.py")
                  if re.search(r"^\s*(from|import)\s+widgets\b", p.read_text(), re.MULTILINE)]
     assert offenders == []
+
+
+def test_the_widget_heatmap_has_a_colour_key_and_the_worst_tokens_are_listed_once(failing):
+    """Issue 36 (2): the clickable grid had no colour key (the PNG has its colour bar); the worst-token
+    table showed twice in a live notebook (HTML summary and figure); `show(view)` as a cell's last line
+    added a `<Shown ...>` text output."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    from widgets.parity import Shown
+
+    result, cap = failing
+    view = SiteHeatmap(result, cap.lengths)
+    key = view.colour_key_html()
+    assert "linear-gradient(to right," in key and "log10 error" in key
+    assert key.count("border-left:2px solid red") == 1  # the rel RMS threshold marked on the scale
+    assert any(isinstance(w, W.HTML) and "glmkit-colour-key" in w.value for w in view.widget.children)
+    hist = LogprobHistogram(result)
+    assert "<table" not in hist.summary_html() and "listed beside the histogram" in hist.summary_html()
+    assert hist.figure().axes[1].tables  # the one table: in the figure
+    shell = InteractiveShell.instance()
+    formatted, _ = shell.display_formatter.format(object.__new__(Shown))
+    assert hasattr(Shown, "_ipython_display_") and "text/plain" not in (formatted or {})
