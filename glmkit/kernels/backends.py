@@ -30,7 +30,7 @@ ALLOWED = {"kda": KDA_BACKENDS, "dsa": DSA_BACKENDS, "moe": MOE_BACKENDS, "fuse"
 
 @dataclass(frozen=True)
 class Backends:
-    """kda: "torch" (reference, CPU and GPU), "fla" (Triton, CUDA) or "auto" (fla where it runs).
+    """kda: "torch" (reference, CPU and GPU) or "fla" (Triton, CUDA); no "auto" (the reference is the default).
     dsa: "naive" (un-absorbed gather, the reference), "absorbed" (MQA over the shared latent, torch),
          "triton" (the absorbed form's forward as one Triton kernel, CUDA), "tilelang" (the forward as
          a warp-specialised TileLang kernel, Hopper bf16, heads a multiple of 64, latent 512; Triton backward) or

@@ -22,11 +22,12 @@ from glmkit.model.packed import Packed
 @dataclass(frozen=True)
 class Run:
     """What one forward needs besides the tokens, fixed for the whole forward: the kernel plan (the
-    backend of every operator, chosen when the path was built: glmkit.model.plan), the layout (packed sequences, one decode step with cache lengths, or a prefill chunk continuing
-    cache slots), the decode caches (`states`, filled in place by the layers that own them), routing
-    and DSA selections to replay, whether each block is recomputed in the backward (activation
-    checkpointing), and an optional `record(layer, site, tensor)` observer that parity captures use
-    (sites in glmkit.model.sites). What passes from one layer to the next is a `Carry`."""
+    backend of every operator, chosen when the path was built: glmkit.model.plan), the layout (packed
+    sequences, one decode step with cache lengths, or a prefill chunk continuing cache slots), the
+    decode caches (`states`, filled in place by the layers that own them), routing and DSA selections
+    to replay, whether each block is recomputed in the backward (activation checkpointing), and an
+    optional `record(layer, site, tensor)` observer that parity captures use (sites in
+    glmkit.model.sites). What passes from one layer to the next is a `Carry`."""
 
     kernels: KernelPlan
     packed: Packed | None = None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from glmkit.kernels.swiglu import clamped_swiglu  # noqa: F401 (re-exported: the MLP's activation)
+from glmkit.kernels.swiglu import clamped_swiglu
 
 
 class MLP(nn.Module):
