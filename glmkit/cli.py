@@ -174,6 +174,10 @@ def _answer_failure(command: str, err: Exception) -> int:
             print(_error_text(command, err), file=sys.stderr)
             return EXIT_BAD_INPUT
         return _wrapped_environment_error(command, err) or _internal_error(command, err)
+    if isinstance(err, RuntimeError) and str(err).startswith("Symlink loop"):  # Path.resolve() (Python < 3.13)
+        print(f"glmkit {command}: error: {str(err).splitlines()[0][:300]}: a path given is a loop of symbolic links",
+              file=sys.stderr)
+        return EXIT_BAD_INPUT
     if _out_of_memory(err):
         print(f"glmkit {command}: environment error: out of memory ({str(err).splitlines()[0][:160] if str(err) else type(err).__name__}); "
               f"a smaller input, or a machine with more free memory (nothing half-written is left in place)",

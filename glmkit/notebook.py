@@ -77,7 +77,14 @@ def notebook_defaults(notebook: Path) -> dict[str, str]:
     """The parameters cell's names and default values, as source text."""
     import papermill
 
-    return {name: info["default"] for name, info in papermill.inspect_notebook(str(notebook)).items()}
+    try:
+        found = papermill.inspect_notebook(str(notebook))
+    except ValueError as err:  # papermill reads the language from the notebook's kernelspec
+        if "kernel" not in str(err).lower():
+            raise
+        raise ValueError(f"{notebook}: its metadata names no kernel (kernelspec), so its parameters cannot be read; "
+                         f"open it in JupyterLab and save it with the Python 3 kernel") from None
+    return {name: info["default"] for name, info in found.items()}
 
 
 def read_verdict(out_dir: Path, since: float, with_reasons: bool = False):
@@ -430,8 +437,10 @@ def _check_parameter_names(notebook: Path, parameters: dict) -> None:
     declared = notebook_defaults(notebook)
     unknown = [name for name in parameters if name not in declared]
     if unknown:
-        shown = ", ".join(repr(n) if not str(n).isidentifier() else str(n) for n in unknown[:5])
-        raise ValueError(f"-p {shown}: not a parameter of {notebook.name}; its parameters: {', '.join(declared)}")
+        shown = ", ".join(repr(n)[:60] if not str(n).isidentifier() else str(n)[:60] for n in unknown[:5])
+        names = list(declared)
+        listed = ", ".join(names[:40]) + (f", ... ({len(names)} in all)" if len(names) > 40 else "")
+        raise ValueError(f"-p {shown}: not a parameter of {notebook.name}; its parameters: {listed}")
 
 
 def _claim(path: Path, notebook: Path) -> None:
@@ -461,6 +470,8 @@ def _run_locked(notebook: Path, out_dir: Path, parameters: dict, name: str) -> P
 
     parameters = dict(parameters, out_dir=str(out_dir))
     running = out_dir / f".{name}.running.ipynb"
+    if running.is_symlink() or running.is_file():  # a leftover, or a link planted there: papermill would write through it
+        running.unlink()
     started = time.time()
     try:
         papermill.execute_notebook(str(notebook), str(running), parameters=parameters, kernel_name=KERNEL,
@@ -517,6 +528,7 @@ def parse_value(text: str):
 
 def cmd_report(args) -> int:
     from nbclient.exceptions import CellTimeoutError, DeadKernelError
+    from nbformat import ValidationError
     from papermill.exceptions import PapermillExecutionError
 
     parameters = {name: parse_value(value) for name, value in args.parameter or []}
@@ -527,7 +539,7 @@ def cmd_report(args) -> int:
     started = time.time()
     try:
         page = run_notebook(args.notebook, out, parameters, args.name)
-    except (PapermillExecutionError, DeadKernelError, CellTimeoutError) as err:
+    except (PapermillExecutionError, DeadKernelError, CellTimeoutError, ValidationError) as err:  # the notebook failed
         reason = f"{type(err).__name__}: {err}".strip().splitlines()
         print(f"glmkit report: notebook failed: {reason[-1] if reason else ''}", file=sys.stderr)
         for note in getattr(err, "__notes__", []):

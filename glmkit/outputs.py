@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 from glmkit.inputs import not_a_file
+from glmkit.report import write_atomic
 
 MARKER = ".glmkit-output"
 STALE_ELSEWHERE_S = 24 * 3600  # another host's staging directory: stale when untouched this long
@@ -51,14 +52,7 @@ def _writer() -> str:
 def _write_marker(path: Path, text: str) -> None:
     """Whole or not at all (a temporary name, then a rename): a marker cut by a full disk would claim
     nothing, and the output it stands beside could then never be replaced by --overwrite."""
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_text(text, **_NAMES)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        raise
+    write_atomic(path, text, **_NAMES)  # a fresh, exclusively created temporary: never through a planted link
 
 
 def mark(folder: Path, what: str) -> None:

@@ -10,6 +10,7 @@ import json
 import math
 import os
 import platform
+import secrets
 from importlib import metadata
 from pathlib import Path
 
@@ -60,14 +61,27 @@ def resolve_out_dir(out_dir) -> Path:
     return Path(os.path.abspath((checkout_root(cwd) or cwd) / path))
 
 
-def write_atomic(path: Path, data: bytes | str) -> Path:
-    """Write to a temporary sibling, then rename over `path` (a reader never sees half a file).
-    Opened with open(), not mkstemp, so the file gets the umask's usual permissions."""
+def write_atomic(path: Path, data: bytes | str, encoding: str = "utf-8", errors: str = "strict") -> Path:
+    """Write to a new temporary sibling, then rename over `path` (a reader never sees half a file).
+
+    The temporary has a random name and is created exclusively (O_EXCL, never through a link: a name
+    planted in advance cannot redirect the write), with the umask's usual permissions."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    payload = data.encode(encoding, errors) if isinstance(data, str) else data
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+    for _ in range(100):
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+        try:
+            fd = os.open(tmp, flags, 0o666)
+            break
+        except FileExistsError:  # a name taken (or planted): draw another
+            continue
+    else:
+        raise FileExistsError(f"{path.parent}: no free temporary name for {path.name}")
     try:
-        tmp.write_bytes(data.encode() if isinstance(data, str) else data)
+        with os.fdopen(fd, "wb") as f:
+            f.write(payload)
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)

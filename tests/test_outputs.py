@@ -367,3 +367,40 @@ def test_an_interrupted_replacement_is_finished_by_the_next_write(tmp_path, monk
     left.rename(as_dead)
     move_into_place(write("four"), tmp_path / "ck")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck"] and (tmp_path / "ck" / "weights.bin").read_text() == "four"
+
+
+def test_atomic_writes_never_go_through_a_planted_temporary(tmp_path, monkeypatch):
+    """Hostile pass 7: markers, the latest-checkpoint marker and --resume's cut-back metrics were written
+    through fixed (or pid-derived) temporary names, so a symbolic link planted at that name made glmkit
+    overwrite its target. Temporaries are now random names created exclusively, never through a link."""
+    from glmkit import report
+    from glmkit.report import write_atomic
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    names = iter(["planted", "planted", "fresh"])
+    monkeypatch.setattr(report.secrets, "token_hex", lambda n: next(names))
+    (tmp_path / ".out.txt.planted.tmp").symlink_to(victim)
+    write_atomic(tmp_path / "out.txt", "new")
+    assert victim.read_text() == "precious" and (tmp_path / "out.txt").read_text() == "new"
+    assert not (tmp_path / "out.txt").is_symlink() and (tmp_path / ".out.txt.planted.tmp").is_symlink()
+    assert not (tmp_path / ".out.txt.fresh.tmp").exists()  # renamed into place
+
+
+def test_a_symlink_loop_and_a_notebook_without_a_kernel_are_bad_input(tmp_path):
+    """Hostile pass 7: a loop of symbolic links as --out was exit 3 (Path.resolve raises RuntimeError),
+    and `report` of a notebook whose metadata names no kernel was exit 3 (papermill's ValueError)."""
+    import nbformat
+
+    (tmp_path / "loop1").symlink_to(tmp_path / "loop2")
+    (tmp_path / "loop2").symlink_to(tmp_path / "loop1")
+    out = subprocess.run([sys.executable, "-m", "glmkit", "ckpt", "synth", "--variant", "tiny", "--out",
+                          str(tmp_path / "loop1")], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 2 and "loop of symbolic links" in out.stderr and "Traceback" not in out.stderr, out.stderr
+    notebook = tmp_path / "nokernel.ipynb"
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("x = 1", metadata={"tags": ["parameters"]})])
+    nbformat.write(nb, str(notebook))
+    out = subprocess.run([sys.executable, "-m", "glmkit", "report", str(notebook), "--out", str(tmp_path / "r")],
+                         capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert out.returncode == 2 and "names no kernel (kernelspec)" in out.stderr, out.stderr
+    assert not (tmp_path / "r").exists()

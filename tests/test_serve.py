@@ -715,6 +715,24 @@ def test_headers_that_never_end_are_answered_408_and_connections_are_capped():
         s.kill()
 
 
+def test_a_connection_answered_before_its_body_ended_is_closed(server):
+    """Hostile pass 7: `GET /health` declaring a 1 MB body got its 200, then one more byte every so often
+    held the connection with no timer armed (the body timeout belongs to the app, which had answered);
+    20 such connections filled the cap and the server answered 503 to everyone. Such a connection is now
+    closed once its answer is sent."""
+    import socket
+
+    host, port = server.url.removeprefix("http://").rsplit(":", 1)
+    started = time.time()
+    with socket.create_connection((host, int(port)), timeout=20) as conn:
+        conn.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000\r\n\r\nx")
+        answer = b""
+        while piece := conn.recv(65536):  # ends when the server closes the connection
+            answer += piece
+    assert answer.startswith(b"HTTP/1.1 200") and time.time() - started < 10, answer[:200]
+    assert requests.get(server.url + "/health", timeout=10).status_code == 200
+
+
 def test_an_ipv6_address_is_printed_in_brackets():
     """Hostile pass 6: `serve --host ::1` printed http://::1:PORT, which no client parses."""
     from glmkit.serve.server import http_url

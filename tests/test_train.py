@@ -8,6 +8,7 @@ import json
 import math
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -104,6 +105,41 @@ def test_resume_needs_a_save_folder_and_accepted_changes_need_resume(tmp_path):
     with pytest.raises(ValueError, match="--accept-changes lr: only a resumed run"):
         GRPOTrainer(tiny(tmp_path, accept_changes="lr"))
     assert not any(tmp_path.iterdir())  # refused before anything was written
+
+
+def test_settings_beyond_float32_and_odd_evaluation_settings_are_refused_before_work(tmp_path):
+    """Hostile pass 7: --tis-clip / --eps-clip / --lr of 1e39 were exit 3 after a rollout (float32
+    overflow in the loss or Adam); --n-samples-per-eval-prompt 10^8 ran out of memory; an empty
+    --eval-prompt-data silently turned the preset's evaluation off; a greedy --eval-temperature with
+    several samples gave pass@k over one sample repeated."""
+    for changes, message in (({"tis_clip": 1e39, "use_tis": True}, r"--tis-clip 1e\+39: beyond float32's range"),
+                             ({"eps_clip": 1e39}, r"--eps-clip 1e\+39: beyond float32"),
+                             ({"lr": 1e39}, r"--lr 1e\+39: beyond float32"),
+                             ({"n_samples_per_eval_prompt": 10 ** 8}, r"must be in 1\.\.1024"),
+                             ({"eval_prompt_data": ""}, r"--eval-prompt-data '': give a jsonl file"),
+                             ({"n_samples_per_eval_prompt": 4, "eval_temperature": 0.0}, "is greedy: its 4 samples")):
+        with pytest.raises(ValueError, match=message):
+            GRPOTrainer(tiny(tmp_path, **changes))
+    assert not any(tmp_path.iterdir())
+
+
+def test_resume_cuts_metrics_back_never_through_a_planted_link(tmp_path):
+    """Hostile pass 7: the cut-back metrics went through `.m.jsonl.tmp` and the dropped rows into a side file
+    whose existence check followed a dangling link: a planted link there overwrote its target."""
+    from glmkit.rl.loop import _truncate_metrics
+
+    metrics = tmp_path / "m.jsonl"
+    metrics.write_text("".join(json.dumps({"step": s, "rollout/raw_reward": 0.5}) + "\n" for s in range(4)))
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    (tmp_path / ".m.jsonl.tmp").symlink_to(victim)
+    for stamp in range(3):  # dangling links at side-file names of the coming seconds
+        name = time.strftime("%Y%m%d-%H%M%S", time.localtime(time.time() + stamp))
+        (tmp_path / f"m.jsonl.dropped-{name}").symlink_to(tmp_path / f"elsewhere-{stamp}")
+    notes = _truncate_metrics(metrics, 2)
+    assert victim.read_text() == "precious" and not metrics.is_symlink()
+    assert [json.loads(l)["step"] for l in metrics.read_text().splitlines()] == [0, 1]
+    assert not any((tmp_path / f"elsewhere-{i}").exists() for i in range(3)) and "moved 2 later metric rows" in notes[0]
 
 
 def test_resume_continues_the_same_run(tmp_path):

@@ -36,18 +36,21 @@ def _parity_table(result) -> str:
 def _thresholds(items) -> dict:
     from glmkit.inputs import ascii_float
 
+    def cut(text: str) -> str:  # echoed in an error: a typo-sized text, not a page of digits
+        return text if len(text) <= 60 else text[:57] + "..."
+
     out = {}
     for item in items or []:
         key, _, value = item.partition("=")
         if key not in ("rel_rms", "identical") or not value:
-            raise ValueError(f"--threshold {item!r}: expected rel_rms=FLOAT or identical=FLOAT")
+            raise ValueError(f"--threshold {cut(item)!r}: expected rel_rms=FLOAT or identical=FLOAT")
         try:
             number = ascii_float(value)  # ASCII digits only: float() also reads '١٠' and '1_0'
         except ValueError:
-            raise ValueError(f"--threshold {item!r}: {value!r} is not a finite decimal number") from None
+            raise ValueError(f"--threshold {cut(item)!r}: {cut(value)!r} is not a finite decimal number") from None
         if number < 0 or (key == "identical" and number > 1):
             allowed = "a fraction in 0..1" if key == "identical" else "a finite number >= 0"
-            raise ValueError(f"--threshold {item!r}: {key} must be {allowed}")
+            raise ValueError(f"--threshold {cut(item)!r}: {key} must be {allowed}")
         out[key] = number
     return out
 

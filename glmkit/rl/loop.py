@@ -15,7 +15,7 @@ import warnings
 import os
 import shutil
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import torch
@@ -27,12 +27,15 @@ from glmkit.model.rollout import GREEDY_BELOW, RolloutSide
 from glmkit.outputs import (MARKER, RunLock, check_dir_out, check_file_out, is_glmkit_file, is_glmkit_output, mark_file,
                             refuse_input_as_output, refuse_package_paths, refuse_replacing,
                             added_entries, record_entries, staging_dir, through_link, usual_modes)
+from glmkit.report import write_atomic
 from glmkit.rl import grpo
 from glmkit.rl.lora import DEFAULT_EXCLUDE
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 
 MAX_RESPONSE_LEN = 1 << 20  # tokens one response may reach (the recipe's runs use 4096 - 65536)
+MAX_EVAL_SAMPLES = 1024  # samples per held-out prompt: pass@k past k = 1024 is not a smoke run's question
+FLOAT32_MAX = 3.4028234663852886e38
 EVAL_SEED_OFFSET = 1 << 40  # evaluation samples with seeds no training rollout uses
 # A sample whose grader raised (the framework's run would stop) counts as a miss: its lowest score.
 MISS_SCORE = {"deepscaler": 0.0, "math": 0.0, "dapo": -1.0}
@@ -204,10 +207,24 @@ class TrainConfig:
             raise ValueError(f"--eps-clip-c must be > 1 (the lower bound of dual-clip PPO), got {cfg.eps_clip_c}")
         if cfg.eval_interval is not None and cfg.eval_interval < 1:
             raise ValueError(f"--eval-interval must be >= 1, got {cfg.eval_interval}")
-        if cfg.n_samples_per_eval_prompt < 1:
-            raise ValueError(f"--n-samples-per-eval-prompt must be >= 1, got {cfg.n_samples_per_eval_prompt}")
+        if not 1 <= cfg.n_samples_per_eval_prompt <= MAX_EVAL_SAMPLES:
+            raise ValueError(f"--n-samples-per-eval-prompt must be in 1..{MAX_EVAL_SAMPLES}, got "
+                             f"{cfg.n_samples_per_eval_prompt}")
         if cfg.eval_temperature is not None and not (math.isfinite(cfg.eval_temperature) and cfg.eval_temperature >= 0):
             raise ValueError(f"--eval-temperature must be a finite number >= 0, got {cfg.eval_temperature}")
+        if cfg.n_samples_per_eval_prompt > 1 and cfg.eval_temperature is not None and cfg.eval_temperature < GREEDY_BELOW:
+            raise ValueError(f"--eval-temperature {cfg.eval_temperature} is greedy: its "
+                             f"{cfg.n_samples_per_eval_prompt} samples per prompt would be one sample repeated (pass@k "
+                             f"meaningless); give a temperature >= {GREEDY_BELOW} or --n-samples-per-eval-prompt 1")
+        if cfg.eval_prompt_data is not None and not str(cfg.eval_prompt_data).strip():
+            raise ValueError("--eval-prompt-data '': give a jsonl file of held-out prompts (leave the flag out for the "
+                             "preset's)")
+        # the loss and the optimizer compute in float32: a larger setting overflows there, after a rollout's work
+        for f in fields(cfg):
+            value = getattr(cfg, f.name)
+            if isinstance(value, float) and math.isfinite(value) and abs(value) > FLOAT32_MAX:
+                raise ValueError(f"--{f.name.replace('_', '-')} {value:g}: beyond float32's range (|x| <= 3.4e38), "
+                                 f"which the loss and the optimizer compute in")
         if cfg.mfu_peak_tflops is not None and not (math.isfinite(cfg.mfu_peak_tflops) and cfg.mfu_peak_tflops > 0):
             raise ValueError(f"--mfu-peak-tflops must be > 0, got {cfg.mfu_peak_tflops}")
         if cfg.tis_clip_low > cfg.tis_clip:
@@ -313,9 +330,7 @@ def _save_checkpoint(cfg, state: TrainState | int, policy, optimizer, lora_names
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    marker = root / "latest_checkpointed_iteration.txt"
-    (root / ".latest.tmp").write_text(str(step))
-    os.replace(root / ".latest.tmp", marker)
+    write_atomic(root / "latest_checkpointed_iteration.txt", str(step))  # never through a planted temporary
     return final
 
 
@@ -387,7 +402,8 @@ def _check_resumed_settings(cfg, folder: Path) -> None:
 
 
 def _inputs(cfg) -> dict:
-    return {"--prompt-data": cfg.prompt_data, "--checkpoint": cfg.checkpoint, "--tokenizer": cfg.tokenizer}
+    return {"--prompt-data": cfg.prompt_data, "--checkpoint": cfg.checkpoint, "--tokenizer": cfg.tokenizer,
+            "--eval-prompt-data": cfg.eval_prompt_data}
 
 
 def _checkpoint_additions(folder: Path) -> list[str]:
@@ -495,14 +511,16 @@ def _truncate_metrics(path: Path, start_step: int) -> list[str]:
         (drop if not isinstance(step, (int, float)) or step >= limit else keep).append(line)
     if not drop:
         return []
-    side = path.with_name(f"{path.name}.dropped-{time.strftime('%Y%m%d-%H%M%S')}")
-    n = 1
-    while side.exists():
-        side, n = path.with_name(f"{path.name}.dropped-{time.strftime('%Y%m%d-%H%M%S')}-{n}"), n + 1
-    side.write_text("\n".join(drop) + "\n", **text)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(line + "\n" for line in keep), **text)
-    os.replace(tmp, path)
+    stamp, n = time.strftime('%Y%m%d-%H%M%S'), 0
+    while True:  # a new file, created exclusively: never an existing file or one reached through a link
+        side = path.with_name(f"{path.name}.dropped-{stamp}" + (f"-{n}" if n else ""))
+        try:
+            with open(side, "x", **text) as f:
+                f.write("\n".join(drop) + "\n")
+            break
+        except FileExistsError:
+            n += 1
+    write_atomic(path, "".join(line + "\n" for line in keep), **text)
     return [f"--resume: the checkpoint covers rollouts < {start_step}; moved {len(drop)} later metric rows of "
             f"{path} to {side}"]
 

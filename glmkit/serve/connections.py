@@ -73,6 +73,11 @@ def bounded_protocol(header_timeout_s: float, max_connections: int) -> type[H11P
 
         def on_response_complete(self) -> None:
             self._disarm_header_deadline()
+            if self.conn.their_state is h11.SEND_BODY and not self.transport.is_closing():
+                # answered before the request's body ended (a 408, a 413, or a route that reads no body):
+                # the rest of that body would hold the connection with no timer armed, so it is closed
+                self.transport.close()
+                return
             super().on_response_complete()
 
         def _arm_header_deadline(self) -> None:
