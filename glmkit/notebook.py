@@ -152,7 +152,11 @@ def key_numbers(data: dict) -> list[tuple[str, str]]:
                 found.append((row["metric"], str(row.get("observed") or "—")))
     if "shape" in data and ("job" in data or "backend" in data):  # notebook 03
         shape = data.get("shape") or {}
-        found.append(("shape", ", ".join(f"{k} {v}" for k, v in shape.items()) if isinstance(shape, dict) else str(shape)))
+        if isinstance(shape, dict):  # the parallel layout a reader compares; the plan holds the rest
+            shown = {k: shape[k] for k in ("name", "nodes", "gpus_per_node", "tp", "pp", "ep") if k in shape} or shape
+            found.append(("shape", ", ".join(f"{k} {v}" for k, v in shown.items())))
+        else:
+            found.append(("shape", str(shape)))
         found.append(("job", f"{data.get('job') or 'none'} ({data.get('job_status') or 'not submitted'})"))
         found.append(("metric rows", str(data.get("metric_rows", 0))))
         health = data.get("grpo_health")

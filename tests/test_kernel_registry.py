@@ -144,3 +144,12 @@ def test_the_kernels_command_answers_which_kernel_runs_and_why():
     assert refused.returncode == 2
     assert refused.stderr.strip() == ("glmkit kernels: error: MOE backend 'grouped' cannot run on cpu bfloat16: "
                                       "CUDA tensors only (here: cpu)")
+
+
+def test_the_fuse_mode_a_run_sets_keeps_an_asked_auto_per_call(packages_present):
+    """On CUDA an asked "auto" resolves to "on" in the plan, and the run keeps the mode "auto": fused for
+    the model's CUDA tensors as chosen, eager for any call on host tensors (as before the registry)."""
+    assert Backends().plan(h100())["fuse"].name == "on" and Backends().plan(h100()).fuse_mode == "auto"
+    assert Backends(fuse="on").plan(h100()).fuse_mode == "on"
+    assert Backends(fuse="off").plan(h100()).fuse_mode == "off"
+    assert Backends().plan(Target.of("cpu", torch.float32, **FLASH)).fuse_mode == "auto"  # eager there either way

@@ -201,7 +201,8 @@ class LiveMetrics:
 
     @property
     def rollouts(self) -> int:
-        return sum("rollout/raw_reward" in h or "train/step" not in h for h in self.history)
+        """Rollouts so far: their rows (train rows are per optimizer step, eval rows per evaluation)."""
+        return sum("rollout/raw_reward" in h for h in self.history)
 
     def not_applicable(self, name: str) -> str | None:
         return NOT_APPLICABLE.get(self.variant, {}).get(name) or None

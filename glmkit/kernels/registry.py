@@ -196,6 +196,13 @@ class KernelPlan:
     def __getitem__(self, op: str) -> Choice:
         return next(c for c in self.choices if c.op == op)
 
+    @property
+    def fuse_mode(self) -> str:
+        """The mode `kernels.fuse.fusing` runs with: the fuse choice, except that an asked "auto" stays
+        "auto" (fused for CUDA tensors, as chosen; a call on host tensors inside a CUDA run stays eager)."""
+        choice = self["fuse"]
+        return "auto" if choice.asked == "auto" else choice.name
+
     def names(self) -> dict[str, str]:
         return {c.op: c.name for c in self.choices}
 

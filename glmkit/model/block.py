@@ -46,7 +46,7 @@ class Run:
                             f"{type(self.kernels).__name__}")
         for op in ("kda", "dsa", "indexer", "moe"):  # each backend's module, looked up once per forward
             object.__setattr__(self, op, self.kernels[op].ops)
-        object.__setattr__(self, "fuse", self.kernels["fuse"].name)
+        object.__setattr__(self, "fuse", self.kernels.fuse_mode)
 
     def emit(self, layer: int, site: str, value):
         if self.record is not None:

@@ -70,7 +70,7 @@ class TrainPath:
         self.recompute = recompute
 
     def _head(self, rows, targets, temperature, want_entropy, keep_logits):
-        with fusing(self.kernels.plan["fuse"].name):
+        with fusing(self.kernels.plan.fuse_mode):
             return LogprobHead.apply(rows, self.model.lm_head.weight, targets, temperature, want_entropy,
                                      keep_logits)
 
