@@ -404,3 +404,23 @@ def test_a_symlink_loop_and_a_notebook_without_a_kernel_are_bad_input(tmp_path):
                          capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert out.returncode == 2 and "names no kernel (kernelspec)" in out.stderr, out.stderr
     assert not (tmp_path / "r").exists()
+
+
+def test_check_never_writes_into_its_checkpoint_and_a_failing_read_names_its_file(tmp_path):
+    """Hostile pass 7: `check --out CKPT` wrote check.html / check.json into the checkpoint (a later
+    `ckpt synth --overwrite` of it was then refused); `--prompt-data /proc/self/mem` failed with an
+    Input/output error that named no file."""
+    from glmkit.checkpoint import synth_checkpoint
+
+    ckpt = synth_checkpoint("tiny", 0, tmp_path / "ck", progress=False)
+    before = sorted(p.name for p in ckpt.iterdir())
+    for out in (ckpt, ckpt / "report"):
+        run = subprocess.run([sys.executable, "-m", "glmkit", "check", "--checkpoint", str(ckpt), "--out", str(out)],
+                             capture_output=True, text=True, cwd=ROOT, timeout=300)
+        assert run.returncode == 2 and "is inside --checkpoint" in run.stderr, run.stderr
+    assert sorted(p.name for p in ckpt.iterdir()) == before
+    if os.path.exists("/proc/self/mem"):
+        run = subprocess.run([sys.executable, "-m", "glmkit", "train", "--prompt-data", "/proc/self/mem",
+                              "--num-rollout", "1", "--metrics-out", str(tmp_path / "m.jsonl")],
+                             capture_output=True, text=True, cwd=ROOT, timeout=300)
+        assert run.returncode == 4 and "/proc/self/mem" in run.stderr, run.stderr

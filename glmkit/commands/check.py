@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from glmkit.commands.args import (DTYPES, DEVICES, _backends, _backend_arguments, _int_at_least, MAX_DECODE_STEPS,
@@ -21,6 +22,12 @@ def _check(args) -> int:
     from glmkit.outputs import check_dir_out, claim_file
 
     check_dir_out(args.out, "--out", whole=False)  # the report is written into it, after minutes of work
+    if args.checkpoint and os.path.isdir(args.checkpoint) and os.path.isdir(args.out):
+        inside = Path(os.path.realpath(args.out))
+        source = Path(os.path.realpath(args.checkpoint))
+        if inside == source or source in inside.parents:
+            raise ValueError(f"--out {args.out} is inside --checkpoint {args.checkpoint}: the report would add files "
+                             f"to the checkpoint; give another folder")
     for name in ("check.json", "check.html"):  # replaced only when an earlier check wrote them
         claim_file(Path(args.out) / name, "--out", "check report", _given_paths(args, "out"))
     if args.decode_steps < 2:  # the decode comparison feeds steps 2.. of the greedy rollout

@@ -141,7 +141,7 @@ def parse_row(line: str, number: int, input_key: str, label_key: str, tokenizer,
 def _report(path, problems: list[Problem]) -> None:
     shown = ", ".join(str(p.line) for p in problems[:10]) + (", ..." if len(problems) > 10 else "")
     warnings.warn(f"{path}: skipped {len(problems)} malformed row(s) at line(s) {shown}; first: {problems[0]}",
-                  stacklevel=3)
+                  stacklevel=4)  # the caller of load_prompts
 
 
 MAX_ROW_BYTES = 1 << 20  # one prompt row: a chat of about a million characters is not a prompt
@@ -195,6 +195,15 @@ def load_prompts(path=DEFAULT_DAPO_PATH, input_key: str = "prompt", label_key: s
     if size > MAX_FILE_BYTES:
         raise ValueError(f"{path}: {size} bytes; prompt files are read whole into memory and may hold at most "
                          f"{MAX_FILE_BYTES} bytes (split it, or pass a --prompt-pool of a smaller file)")
+    try:
+        return _read_prompts(path, input_key, label_key, tokenizer, apply_chat_template, shuffle_seed, on_error)
+    except OSError as err:
+        if err.filename is None:  # a read that fails midway (/proc/self/mem: EIO) says which file it was
+            raise type(err)(err.errno, err.strerror, str(path)) from None
+        raise
+
+
+def _read_prompts(path, input_key, label_key, tokenizer, apply_chat_template, shuffle_seed, on_error):
     samples, problems = [], []
     with open(path, "rb") as f:  # decoded line by line, so a binary file names its first bad line
         for number, raw in enumerate(_bounded_lines(f, path), start=1):
