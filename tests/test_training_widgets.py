@@ -107,7 +107,8 @@ def test_live_redraws_stay_within_their_share_of_the_run_and_update_lines_in_pla
         assert view.draw_seconds <= 0.05 * (clock[0] - 101.5) + 0.5  # within budget, give or take one draw
     # 120 s of run: 5% is 6 s, twelve 0.5 s redraws (the rule lets the last one cross by one draw)
     assert 11 <= view.draws <= 13 and view.draw_seconds <= 0.05 * 120 + 0.5, (view.draws, view.draw_seconds)
-    assert "rollout 40/40 · optimizer step 39 · ETA 0:00 · 250 tokens/s" in view.status.value
+    assert "(rollout 40/40), optimizer step 39, ETA 0:00, 250 tokens/s" in view.status.value
+    assert view.progress() == "rollout 40/40 · optimizer step 39 · ETA 0:00 · 250 tokens/s"
     figure = view._live[0]
     view.finish()
     assert view._live[0] is figure  # updated in place: the axes kept their kind

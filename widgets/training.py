@@ -210,9 +210,14 @@ class LiveMetrics:
     # -- rendering
 
     def progress(self) -> str:
-        """rollout k/N, optimizer step, ETA and tokens/s, from the rows so far."""
+        """rollout k/N (or k rollouts), then optimizer step, ETA and tokens/s, from the rows so far."""
         done = self.rollouts
         parts = [f"rollout {done}/{self.total_rollouts}" if self.total_rollouts else f"{done} rollouts"]
+        return " · ".join(parts + self._pace())
+
+    def _pace(self) -> list[str]:
+        """Optimizer step, ETA and tokens/s (what is known of them)."""
+        done, parts = self.rollouts, []
         step = next((h["train/step"] for h in reversed(self.history) if h.get("train/step") is not None), None)
         if step is not None:
             parts.append(f"optimizer step {step}")
@@ -223,14 +228,16 @@ class LiveMetrics:
         rate = next((h["perf/tokens_per_s"] for h in reversed(self.history) if h.get("perf/tokens_per_s")), None)
         if rate is not None:
             parts.append(f"{rate:.4g} tokens/s")
-        return " · ".join(parts)
+        return parts
 
     @property
     def text(self) -> str:
         if not self.history:
             return "no rollouts yet"
         last = self.history[-1]
-        parts = [f"step {last.get('step', len(self.history) - 1)} ({self.progress()})"]
+        done = self.rollouts
+        count = f"rollout {done}/{self.total_rollouts}" if self.total_rollouts else f"{done} rollouts"
+        parts = [f"step {last.get('step', len(self.history) - 1)} ({count})", *self._pace()]
         for name in self.metric_names[:4]:
             holder = next((h for h in reversed(self.history) if name in h), last)  # its latest value
             value = _value(holder, name)
