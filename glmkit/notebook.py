@@ -90,17 +90,14 @@ def notebook_defaults(notebook: Path) -> dict[str, str]:
 def read_verdict(out_dir: Path, since: float, with_reasons: bool = False):
     """The verdict in out_dir/verdict.json or out_dir/parity.json (the first that this run, started at
     `since`, wrote), "unknown" when neither was. With `with_reasons`: (verdict, `verdict_reasons`)."""
-    for name in VERDICT_FILES:
-        path = Path(out_dir) / name
-        try:
-            if path.stat().st_mtime < since:
-                continue   # left over from an earlier run
-            data = json.loads(path.read_text())
-            verdict = str(data.get("verdict", "unknown"))
-            return (verdict, verdict_reasons(data)) if with_reasons else verdict
-        except (OSError, json.JSONDecodeError, AttributeError, TypeError):
-            continue
-    return ("unknown", []) if with_reasons else "unknown"
+    data = read_verdict_data(out_dir, since)
+    verdict = str(data.get("verdict", "unknown")) if data else "unknown"
+    if not with_reasons:
+        return verdict
+    try:
+        return verdict, verdict_reasons(data) if data else []
+    except (AttributeError, TypeError):  # a hand-edited file whose reasons are not a list of texts
+        return verdict, []
 
 
 def read_verdict_data(out_dir: Path, since: float) -> dict:

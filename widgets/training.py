@@ -209,11 +209,13 @@ class LiveMetrics:
 
     # -- rendering
 
+    def _count(self) -> str:
+        done = self.rollouts
+        return f"rollout {done}/{self.total_rollouts}" if self.total_rollouts else f"{done} rollouts"
+
     def progress(self) -> str:
         """rollout k/N (or k rollouts), then optimizer step, ETA and tokens/s, from the rows so far."""
-        done = self.rollouts
-        parts = [f"rollout {done}/{self.total_rollouts}" if self.total_rollouts else f"{done} rollouts"]
-        return " · ".join(parts + self._pace())
+        return " · ".join([self._count(), *self._pace()])
 
     def _pace(self) -> list[str]:
         """Optimizer step, ETA and tokens/s (what is known of them)."""
@@ -235,9 +237,7 @@ class LiveMetrics:
         if not self.history:
             return "no rollouts yet"
         last = self.history[-1]
-        done = self.rollouts
-        count = f"rollout {done}/{self.total_rollouts}" if self.total_rollouts else f"{done} rollouts"
-        parts = [f"step {last.get('step', len(self.history) - 1)} ({count})", *self._pace()]
+        parts = [f"step {last.get('step', len(self.history) - 1)} ({self._count()})", *self._pace()]
         for name in self.metric_names[:4]:
             holder = next((h for h in reversed(self.history) if name in h), last)  # its latest value
             value = _value(holder, name)

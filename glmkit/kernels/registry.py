@@ -18,6 +18,7 @@ registry; a new backend is one module plus one `register` call there.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 from dataclasses import dataclass, field
@@ -132,8 +133,9 @@ class Choice:
     def name(self) -> str:
         return self.backend.name
 
-    @property
+    @functools.cached_property
     def ops(self):
+        """The backend's module, imported once (a run reads it every forward and decode step)."""
         return self.backend.load()
 
     def __str__(self) -> str:

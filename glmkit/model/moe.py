@@ -57,11 +57,6 @@ def expert_target(x: torch.Tensor, hidden: int, intermediate: int) -> Target:
     return Target.of(x.device, x.dtype, hidden=hidden, expert_intermediate=intermediate)
 
 
-def grouped_mm_available(x: torch.Tensor, hidden: int, intermediate: int) -> bool:
-    """Whether the "grouped" backend can run the experts on x (the registry's verifier)."""
-    return REGISTRY.get("grouped").why_not(expert_target(x, hidden, intermediate)) is None
-
-
 class GroupedExperts(nn.Module):
     """The routed experts' SwiGLU weights, stacked as transformers' glm5_next holds them in memory:
     gate_up_proj [E, 2I, D] (rows [:I] are expert e's gate_proj.weight, rows [I:] its up_proj.weight)
