@@ -380,7 +380,8 @@ class RunLock:
 
     def __init__(self, target, flag: str):
         # one lock per output, however its path is spelled: a link to the same folder finds the same lock
-        self.target, self.flag = Path(os.path.realpath(os.path.abspath(target))), flag
+        self.given, self.flag = target, flag
+        self.target = Path(os.path.realpath(os.path.abspath(target)))
         self.path = self.target.with_name(f".{self.target.name}.glmkit-lock")
         self.handle = None
 
@@ -408,6 +409,15 @@ class RunLock:
         import fcntl
         import warnings
 
+        # a pipe, a device or a socket (/dev/stdout, /proc/self/fd/1) is nobody's output: refused by what it
+        # is before a lock is placed beside it (its resolved name may not even be a path)
+        try:
+            mode = os.stat(self.given).st_mode
+        except OSError:  # absent (made below), or unreadable: the open below says which
+            mode = None
+        if mode is not None and not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+            why = not_a_file(self.given) or "is not a regular file"
+            raise ValueError(f"{self.flag} {self.given}: {why}; give the path of a regular file or folder")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         for _ in range(100):
             handle = self._open()

@@ -81,6 +81,26 @@ def test_a_stale_lock_is_taken_over_and_another_hosts_is_refused(tmp_path):
         RunLock(target, "--out").__enter__()
 
 
+def test_an_output_that_is_a_pipe_or_a_device_is_refused_by_what_it_is(tmp_path):
+    """Hostile pass 7: `--metrics-out /proc/self/fd/1` resolved to the pseudo-name `pipe:[N]` and ended in
+    a raw 'No such file or directory' about a lock beside it. An output that is a pipe or a device
+    (directly or through a link) is now refused by what it is, and nothing is created beside it."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    (tmp_path / "to-fifo").symlink_to(fifo)
+    for given, what in ((fifo, r"is a named pipe \(FIFO\);"), (tmp_path / "to-fifo", r"\(through a symbolic link\)"),
+                        ("/dev/null", "is a character device")):
+        with pytest.raises(ValueError, match=rf"^--metrics-out {given}: .*{what}.* regular file or folder"):
+            RunLock(given, "--metrics-out").__enter__()
+    read_end, write_end = os.pipe()  # what /proc/self/fd/N names when a run's output is piped
+    try:
+        with pytest.raises(ValueError, match=r"is a named pipe \(FIFO\) \(through a symbolic link\)"):
+            RunLock(f"/proc/self/fd/{write_end}", "--metrics-out").__enter__()
+    finally:
+        os.close(read_end), os.close(write_end)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo", "to-fifo"]
+
+
 def test_a_lock_file_that_is_a_link_a_fifo_or_a_folder_is_refused_and_links_share_one_lock(tmp_path):
     """Hostile pass 6: a lock file replaced by a symlink had its target truncated and overwritten (and its
     first bytes printed); a FIFO was exit 3; an output reached through a linked folder took a second

@@ -715,6 +715,31 @@ def test_headers_that_never_end_are_answered_408_and_connections_are_capped():
         s.kill()
 
 
+def test_a_low_descriptor_limit_leaves_the_connections_it_can_and_none_is_refused_by_name():
+    """Hostile pass 7: under `ulimit -n 100` a fixed 128-descriptor margin left one connection, and the
+    framework's keep-alive pool got 503s. The margin is now what the process holds plus a reserve of
+    32, so 100 leaves dozens; a limit that leaves none refuses to start (exit 4, naming ulimit -n)."""
+    import subprocess
+    import sys
+
+    probe = ("import resource, sys; from glmkit.serve.connections import connection_cap, open_descriptors, FD_RESERVE;"
+             "limit = int(sys.argv[1]); resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit));"
+             "print(connection_cap(2048), open_descriptors(), FD_RESERVE)")
+    def cap_under(limit):
+        out = subprocess.run([sys.executable, "-c", probe, str(limit)], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        return [int(v) for v in out.stdout.split()]
+
+    cap, held, reserve = cap_under(100)
+    assert cap == 100 - held - reserve and cap >= 30, (cap, held)
+    assert cap_under(held + reserve)[0] == 0
+    limit = 36  # the server holds about 7 descriptors here: 36 - 7 < the reserve of 32
+    run = subprocess.run(["sh", "-c", f'ulimit -n {limit} && exec "$0" -m glmkit serve --checkpoint {CKPT} --port 0',
+                          sys.executable], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 4, run.stderr
+    assert f"ulimit -n {limit}) leaves no room for a connection" in run.stderr and "Traceback" not in run.stderr
+
+
 def test_a_connection_answered_before_its_body_ended_is_closed(server):
     """Hostile pass 7: `GET /health` declaring a 1 MB body got its 200, then one more byte every so often
     held the connection with no timer armed (the body timeout belongs to the app, which had answered);

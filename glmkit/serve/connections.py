@@ -10,12 +10,13 @@ keep-alive timeout."""
 
 from __future__ import annotations
 
+import os
 import resource
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-FD_MARGIN = 128  # descriptors kept for the model's files, logs and the listening socket
+FD_RESERVE = 32  # descriptors kept free beyond those open now: weight-update reads, logs, a traceback file
 
 
 def _closing_answer(status: int, reason: str, text: str) -> bytes:
@@ -24,11 +25,21 @@ def _closing_answer(status: int, reason: str, text: str) -> bytes:
             f"content-length: {len(body)}\r\nconnection: close\r\n\r\n").encode() + body
 
 
+def open_descriptors() -> int:
+    """How many descriptors this process holds now (the model's files, the listening socket, threads' pipes)."""
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:  # no /proc (macOS): a generous guess
+        return 128
+
+
 def connection_cap(wanted: int) -> int:
     """The most connections this process can hold open: `wanted`, after raising the soft descriptor
-    limit toward it where the hard limit allows; never more than the limit leaves room for."""
+    limit toward it where the hard limit allows; never more than the limit leaves room for beside the
+    descriptors open now and a reserve. 0 when the limit leaves no room at all."""
+    margin = open_descriptors() + FD_RESERVE
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    need = wanted + FD_MARGIN
+    need = wanted + margin
     if soft != resource.RLIM_INFINITY and soft < need:
         target = need if hard == resource.RLIM_INFINITY else min(need, hard)
         try:
@@ -38,7 +49,7 @@ def connection_cap(wanted: int) -> int:
             pass
     if soft == resource.RLIM_INFINITY:
         return wanted
-    return max(1, min(wanted, soft - FD_MARGIN))
+    return max(0, min(wanted, soft - margin))
 
 
 def bounded_protocol(header_timeout_s: float, max_connections: int) -> type[H11Protocol]:

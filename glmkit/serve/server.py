@@ -20,9 +20,10 @@ from __future__ import annotations
 import asyncio
 import base64
 import itertools
+import errno
 import json
 import re
-import errno
+import resource
 import socket
 import threading
 import time
@@ -1378,6 +1379,9 @@ def serve(checkpoint, host: str = "127.0.0.1", port: int = 30000, device: str = 
                             max_prefill_tokens)
     app = build_app(service, window_s, max_body, max_weights_body, body_timeout_s)
     cap = connection_cap(max_connections)
+    if cap < 1:
+        raise OSError(errno.EMFILE, f"the descriptor limit (ulimit -n {resource.getrlimit(resource.RLIMIT_NOFILE)[0]}) leaves no room "
+                      f"for a connection beside the model's open files; raise it (ulimit -n 4096)")
     if cap < max_connections:
         warnings.warn(f"--max-connections {max_connections}: the descriptor limit (ulimit -n) leaves room for {cap}; "
                       f"serving at most {cap} connections at once")
