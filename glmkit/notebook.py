@@ -148,6 +148,8 @@ def key_numbers(data: dict) -> list[tuple[str, str]]:
             if row.get("metric") in ("train/train_rollout_logprob_abs_diff", "train/ppo_kl", "train/grad_norm"):
                 found.append((row["metric"], str(row.get("observed") or "—")))
     if "shape" in data and ("job" in data or "backend" in data):  # notebook 03
+        if data.get("ran"):  # what actually ran, and where: a plan's shape beside a pass is not a launch of it
+            found.append(("ran", str(data["ran"])))
         shape = data.get("shape") or {}
         if isinstance(shape, dict):  # the parallel layout a reader compares; the plan holds the rest
             shown = {k: shape[k] for k in ("name", "nodes", "gpus_per_node", "tp", "pp", "ep") if k in shape} or shape

@@ -246,6 +246,9 @@ def test_key_numbers_of_a_grpo_run_and_a_launch():
     launch = {"backend": "miles", "shape": {"nodes": 16, "gpus_per_node": 4}, "job": None, "metric_rows": 0}
     assert key_numbers(launch) == [("shape", "nodes 16, gpus_per_node 4"), ("job", "none (not submitted)"),
                                    ("metric rows", "0")]
+    # what ran comes first: a pass beside a 16 x 4 shape must not read as a launch of that shape
+    ran = "builtin: glmkit's GRPO, preset tiny, 6 rollouts, on a Ray head this notebook started on 127.0.0.1"
+    assert key_numbers({**launch, "backend": "builtin", "ran": ran})[0] == ("ran", ran)
     assert key_numbers({"verdict": "pass"}) == [] and key_numbers({}) == []
 
 

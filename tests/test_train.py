@@ -202,6 +202,20 @@ def test_health_table_judges_per_rollout_and_reports_the_frameworks_other_metric
     assert seen["rollout/response_len/mean"]["first"] == 10.0 and seen["rollout/response_len/mean"]["last"] == 12.0
     assert "eval/pass@8" in format_observations(list(seen.values()))
     assert run_verdict(history, "GLM-5.3-Flash")["observations"] == list(seen.values())
+    # a browser check: eval rows were counted as "5 rollouts"; they are evaluations
+    assert seen["eval/raw_reward"]["rollouts"] == 1 and "1 evaluations" in format_observations([seen["eval/raw_reward"]])
+    assert "3 rollouts" in format_observations([seen["train/loss"]])
+
+
+def test_a_range_is_shown_over_the_rollouts_it_is_judged_on():
+    """A browser check: the observed range covered all 20 rollouts ("(20 rollouts, 80 steps)") while the
+    verdict judged the recipe's first 11: a late value outside the range showed in the one, not the other.
+    Both now cover the first 11, and the observed column says so."""
+    history = [{"rollout/step": r, "step": r, "train/step": r, "train/train_rollout_logprob_abs_diff": 0.05 if r > 11 else 0.008}
+               for r in range(20)]
+    row = {r["metric"]: r for r in verdicts(history, "GLM-5.3-Flash")}["train/train_rollout_logprob_abs_diff"]
+    assert row["verdict"] == "within range" and row["why"] == "11/11 rollouts at or below 0.0106 (lower is better)"
+    assert row["observed"] == "0.008 - 0.008 (first 11 of 20 rollouts)"
 
 
 def test_bad_arguments_fail_clearly(tmp_path):

@@ -60,6 +60,23 @@ def shown_png(output: W.Output) -> bytes:
     return base64.b64decode(output.outputs[0]["data"]["image/png"])
 
 
+def test_the_status_line_counts_rollouts_by_their_rows_and_shows_only_measured_values():
+    """A browser check of notebook 02: the line read "step 5 (rollout 5/20)" then "step 5 (rollout 6/20)"
+    (eval rows number their step by count, rollout rows by index), and "rollout/raw_reward = None" before
+    the first rollout. The step is now the latest rollout row's, and unmeasured metrics are left out."""
+    view = LiveMetrics(total_rollouts=20)
+    view.update({"eval/step": 0, "step": 0, "eval/raw_reward": 0.4})
+    assert view.text.startswith("step 0 (rollout 0/20)") and "None" not in view.text
+    for rollout in range(6):
+        view.update({"train/step": rollout, "step": rollout, "train/grad_norm": 0.3})
+        view.update({"rollout/step": rollout, "step": rollout, "rollout/raw_reward": 0.5})
+        assert view.text.startswith(f"step {rollout} (rollout {rollout + 1}/20)"), view.text
+        if rollout == 4:
+            view.update({"eval/step": 5, "step": 5, "eval/raw_reward": 0.6})  # after the 5th rollout
+            assert view.text.startswith("step 4 (rollout 5/20)"), view.text
+    assert "rollout/raw_reward = 0.5" in view.text
+
+
 def test_update_adds_points_and_redraws_the_widget_in_place():
     view = LiveMetrics()
     assert isinstance(view.widget, W.VBox) and view.output in view.widget.children

@@ -97,6 +97,18 @@ def test_heatmap_click_plots_error_per_position(failing):
     assert "indexer_topk" in shown_png(view.output)
 
 
+def test_a_site_not_compared_is_grey_in_the_widget_as_in_the_png(failing):
+    """A browser check of notebook 01: the hint says "grey: not compared" but the widget left those cells
+    blank (only the PNG drew them grey). Every (layer, site) of the grid without a comparison is a grey cell."""
+    from widgets.parity import NOT_COMPARED_COLOR
+
+    view = SiteHeatmap(failing[0])
+    grid = view.widget.children[1].children[1:]  # the rows below the header
+    empty = [cell for row in grid for cell in row.children[1:] if not isinstance(cell, W.Button)]
+    assert len(empty) == len(view.site_names) * len(view.layers) - len(view.buttons) > 0
+    assert all(isinstance(cell, W.HTML) and NOT_COMPARED_COLOR in cell.value for cell in empty)
+
+
 def test_heatmap_colours_follow_the_error(passing, failing):
     quiet = SiteHeatmap(passing[0]).buttons[(0, "attn_out")].style.button_color
     loud = SiteHeatmap(failing[0]).buttons[(0, "attn_out")].style.button_color

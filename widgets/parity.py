@@ -242,8 +242,10 @@ class SiteHeatmap:
     def _cell_button(self, layer, site) -> W.Widget:
         s = self.cells.get((layer, site))
         size = W.Layout(width="30px", height="22px", padding="0", margin="1px")
-        if s is None:
-            return W.Box(layout=size)
+        if s is None:  # grey, as in the PNG and as the hint says
+            return W.HTML(f"<div class='glmkit-not-compared' title='not compared (no such site at this layer)' "
+                          f"style='width:26px;height:18px;background:{NOT_COMPARED_COLOR};border:1px solid #999999'>"
+                          f"</div>", layout=size)
         value = log_error(site_error(s))
         color = to_hex(self.cmap(self.norm(value))) if math.isfinite(value) else NOT_COMPARED_COLOR
         first = s is self.result.first_divergence

@@ -27,7 +27,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
-from glmkit.rl.health import HEALTHY_FULL, NOT_APPLICABLE
+from glmkit.rl.health import HEALTHY_FULL, NOT_APPLICABLE, observed_over
 from widgets.parity import FIGURE_DPI, MAX_WIDTH_IN, MIN_FONT_PT, _message_figure
 
 # The recipe's metrics, in the order the small multiples show them.
@@ -236,12 +236,20 @@ class LiveMetrics:
     def text(self) -> str:
         if not self.history:
             return "no rollouts yet"
-        last = self.history[-1]
-        parts = [f"step {last.get('step', len(self.history) - 1)} ({self._count()})", *self._pace()]
+        # the step of the latest rollout row (0-based, as the framework numbers rollouts): train and eval
+        # rows number their own steps and would make the count jump back and forth
+        rollout_rows = [h for h in self.history if "rollout/raw_reward" in h]
+        last = rollout_rows[-1] if rollout_rows else self.history[-1]
+        step = last.get("rollout/step", last.get("step", len(rollout_rows) - 1 if rollout_rows else 0))
+        parts = [f"step {step} ({self._count()})", *self._pace()]
         for name in self.metric_names[:4]:
-            holder = next((h for h in reversed(self.history) if name in h), last)  # its latest value
+            holder = next((h for h in reversed(self.history) if h.get(name) is not None
+                           or name in (h.get("nonfinite") or [])), None)  # its latest measured value
+            if holder is None:
+                continue  # not measured yet (before the first rollout): nothing to show, not "None"
             value = _value(holder, name)
-            parts.append(f"{name} = {value:.4g}" if math.isfinite(value) else f"{name} = {holder.get(name)}")
+            shown = f"{value:.4g}" if math.isfinite(value) else holder.get(name) or "NaN/Inf"
+            parts.append(f"{name} = {shown}")
         return ", ".join(parts)
 
     def _set_status(self):
@@ -428,11 +436,11 @@ class HealthTable:
         if not self.observations:
             return ""
         head = "".join(f"<th style='{style};background:#f4f4f4'>{c}</th>"
-                       for c in ("metric (reported, no recipe range)", "first → last", "min – max", "rollouts"))
+                       for c in ("metric (reported, no recipe range)", "first → last", "min – max", "over"))
         body = "".join(
             f"<tr><td style='{style}'><code>{html.escape(str(r['metric']))}</code></td>"
             f"<td style='{style}'>{r['first']:.4g} → {r['last']:.4g}</td>"
-            f"<td style='{style}'>{r['min']:.4g} – {r['max']:.4g}</td><td style='{style}'>{r['rollouts']}</td></tr>"
+            f"<td style='{style}'>{r['min']:.4g} – {r['max']:.4g}</td><td style='{style}'>{observed_over(r)}</td></tr>"
             for r in self.observations)
         return f"<table style='border-collapse:collapse;margin-top:8px'><tr>{head}</tr>{body}</table>"
 

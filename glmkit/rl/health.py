@@ -53,7 +53,11 @@ def verdicts(history: list[dict], variant: str) -> list[dict]:
     for metric, spec in HEALTHY_FULL.items():
         values, count = per_rollout(history, metric)
         observed = _summary(metric, values, spec)
-        if observed is not None and count > len(values):
+        judged = min(len(values), JUDGED_ROLLOUTS) if "range" in spec else len(values)
+        if observed is not None and judged < len(values):  # the range and the verdict cover the same rollouts
+            observed += f" (first {judged} of {len(values)} rollouts" + (f", {count} steps)" if count > len(values)
+                                                                          else ")")
+        elif observed is not None and count > len(values):
             observed += f" ({len(values)} rollouts, {count} steps)"
         if skip.get(metric):
             rows.append(dict(metric=metric, expected=spec["note"], observed=observed, verdict="not applicable",
@@ -69,18 +73,24 @@ def verdicts(history: list[dict], variant: str) -> list[dict]:
     return rows
 
 
+# The recipe's ranges hold "across the first 11 rollouts": a range is judged, and shown, over those.
+JUDGED_ROLLOUTS = 11
+
+
 def _summary(metric, values, spec):
     if not values:
         return None
     if "rise" in spec:
         return f"{values[0]:.3g} -> {max(values[:spec['within']]):.3g} (first {min(len(values), spec['within'])})"
+    if "range" in spec:
+        values = values[:JUDGED_ROLLOUTS]
     return f"{min(values):.3g} - {max(values):.3g}"
 
 
 def _check(values, spec) -> tuple[bool, str]:
     if "range" in spec:
         lo, hi = spec["range"]
-        first = values[:11]
+        first = values[:JUDGED_ROLLOUTS]
         if spec.get("lower_is_better"):
             inside = sum(v <= hi for v in first)
             return inside == len(first), f"{inside}/{len(first)} rollouts at or below {hi} (lower is better)"
@@ -123,11 +133,16 @@ def observations(history: list[dict]) -> list[dict]:
     return rows
 
 
+def observed_over(row: dict) -> str:
+    """What an observation's count counts: evaluations for eval/* (one every --eval-interval), else rollouts."""
+    return f"{row['rollouts']} {'evaluations' if str(row['metric']).startswith('eval/') else 'rollouts'}"
+
+
 def format_observations(rows: list[dict]) -> str:
-    lines = [f"{'metric (reported, no recipe range)':40s} {'first -> last':28s} {'min - max':24s} rollouts"]
+    lines = [f"{'metric (reported, no recipe range)':40s} {'first -> last':28s} {'min - max':24s} over"]
     for r in rows:
         lines.append(f"{r['metric']:40s} {r['first']:.4g} -> {r['last']:.4g}".ljust(69)
-                     + f" {r['min']:.4g} - {r['max']:.4g}".ljust(25) + f" {r['rollouts']}")
+                     + f" {r['min']:.4g} - {r['max']:.4g}".ljust(25) + f" {observed_over(r)}")
     return "\n".join(lines)
 
 
