@@ -348,6 +348,25 @@ def test_the_sanitiser_keeps_what_views_draw():
     assert 'src="data:image/png;base64,iVBORw0KGgo="' in clean and "<code>train/grad_norm</code>" in clean
 
 
+def test_html_nested_past_the_limit_is_shown_as_text_at_once():
+    """Hostile pass 8: a markdown cell of 200,000 nested <div> kept the sanitiser busy for minutes (its
+    time grows with the square of the depth) and deaf to SIGTERM. Past MAX_HTML_DEPTH the fragment is
+    its escaped text, found in one linear pass; below it, markup is sanitised as before."""
+    import time
+
+    from glmkit.seal import MAX_HTML_DEPTH, html_depth, sanitize_html
+
+    assert html_depth("<p>a<br>b<img src=x><div/><span><b>x</b></span></p>") == 3
+    started = time.perf_counter()
+    deep = sanitize_html("<div>" * 200_000 + "<img src=x onerror=alert(1)>" + "</div>" * 200_000)
+    assert time.perf_counter() - started < 20  # minutes before; a generous bound for a loaded 2-core machine
+    assert deep.startswith(f"<p><i>HTML nested 200000 elements deep (over {MAX_HTML_DEPTH})")
+    assert "<img" not in deep and "<div" not in deep and "&lt;img src=x onerror=alert(1)&gt;" in deep
+    deepest = MAX_HTML_DEPTH - 1  # and the <b> inside: at the limit, markup still
+    shallow = sanitize_html("<div>" * deepest + "<b>x</b>" + "</div>" * deepest)
+    assert shallow.count("<div>") == deepest and "<b>x</b>" in shallow
+
+
 def test_a_javascript_output_is_dropped_not_run(tmp_path):
     page = notebook(tmp_path / "js.ipynb", "from IPython.display import Javascript, display\n"
                     "display(Javascript('document.body.innerHTML = \"gone\"'))\nprint('kept')")

@@ -436,6 +436,17 @@ def test_a_whole_checkpoint_updates_from_disk_and_a_link_out_of_the_root_is_refu
     (linked / "model.safetensors").symlink_to(tmp_path / "elsewhere.safetensors")
     with pytest.raises(SGLangError, match="HTTP 400: model.safetensors points outside"):
         client.update_weights_from_disk(linked)
+    # hostile pass 8: a FIFO named *.safetensors blocked safetensors' open holding the GIL, and the whole
+    # server stopped (/health too, SIGTERM ignored); refused by what it is, as a folder or in a checkpoint
+    for name, with_config in (("fifo_dir", False), ("fifo_ckpt", True)):
+        folder = updates_root / name
+        folder.mkdir()
+        if with_config:
+            shutil.copy(whole / "config.json", folder / "config.json")
+        os.mkfifo(folder / "model.safetensors")
+        with pytest.raises(SGLangError, match=r"HTTP 400: .*model.safetensors.* named pipe \(FIFO\)"):
+            client.update_weights_from_disk(folder)
+        assert requests.get(server.url + "/health", timeout=10).status_code == 200
     assert teacher_logprobs(client)[1] == "whole-1"
 
 

@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 from starlette.requests import Request as HttpRequest  # module level: FastAPI reads the annotations by name
 
+from glmkit.inputs import not_a_file
 from glmkit.serve import protocol
 from glmkit.serve.protocol import Input, RequestError
 from glmkit.serve.sampling import RequestSampler, RequestState
@@ -570,6 +571,9 @@ class EngineService:
         files = sorted(directory.glob("*.safetensors"))
         if not files:
             raise RequestError(f"{directory} holds no *.safetensors file")
+        for f in files:  # a FIFO's open blocks in safetensors holding the GIL: the whole server would stop
+            if (why := not_a_file(f)) is not None:
+                raise RequestError(f"{f.name}: {why}; a weights file must be a regular file")
         tensors = {}
         for f in files:
             with safe_open(str(f), framework="pt") as handle:
