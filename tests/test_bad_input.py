@@ -972,6 +972,26 @@ def test_config_numbers_every_forward_uses_are_checked_at_load(tiny_ckpt, tmp_pa
         open_checkpoint(bad)
 
 
+@pytest.mark.parametrize("name, value, reason", [
+    ("hc_sinkhorn_iters", 10**9, r"hc_sinkhorn_iters must be an integer in 1\.\.1000, got 1000000000"),
+    ("hc_sinkhorn_iters", 0, r"hc_sinkhorn_iters must be an integer in 1\.\.1000, got 0"),
+    ("index_topk", 10**9, r"index_topk must be an integer in 1\.\.\d+, got 1000000000"),
+    ("pad_token_id", 5000, r"pad_token_id must be a token id below vocab_size \d+ \(or null\), got 5000"),
+    ("swiglu_limit", float("nan"), r"swiglu_limit must be a positive finite number \(or null\), got nan")])
+def test_config_counts_that_size_every_forward_are_bounded_at_load(tiny_ckpt, tmp_path, name, value, reason):
+    """Hostile pass 8: hc_sinkhorn_iters 10**9 passed `ckpt info` and hung every forward (serve too);
+    index_topk 10**9 asked capture for 56 GB and was blamed on the machine; a NaN swiglu_limit and a pad
+    id past the vocabulary were taken. Each is refused at load, by name, with its bounds."""
+    from glmkit.checkpoint import CheckpointError
+
+    bad = copy_ckpt(tiny_ckpt, tmp_path / "bad")
+    config = json.loads((bad / "config.json").read_text())
+    config["text_config"][name] = value
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=reason):
+        open_checkpoint(bad)
+
+
 def _train_with_file_size_limit(tmp_path, limit: int):
     """`glmkit train` in a child whose files may not grow past `limit` bytes (RLIMIT_FSIZE, SIGXFSZ
     ignored): each write past it fails with EFBIG as a full disk fails with ENOSPC, after a short write."""

@@ -148,7 +148,27 @@ def _check_sizes(config, file: Path) -> None:
             continue
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
             raise CheckpointError(f"{file}: {name} must be a positive finite number, got {value!r}")
+    # counts that size every forward's work or memory: beyond these nothing runs in a lifetime (hostile
+    # pass 8: hc_sinkhorn_iters 10**9 hung every forward; index_topk 10**9 asked for 56 GB)
+    bounds = {"hc_sinkhorn_iters": (1, MAX_SINKHORN_ITERS),
+              "index_topk": (1, getattr(config, "max_position_embeddings", None))}
+    for name, (low, high) in bounds.items():
+        value = getattr(config, name, None)
+        if value is None or not isinstance(high, int):
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+            raise CheckpointError(f"{file}: {name} must be an integer in {low}..{high}, got {value!r}")
+    pad = getattr(config, "pad_token_id", None)
+    if pad is not None and (not isinstance(pad, int) or isinstance(pad, bool) or not 0 <= pad < config.vocab_size):
+        raise CheckpointError(f"{file}: pad_token_id must be a token id below vocab_size {config.vocab_size} "
+                              f"(or null), got {pad!r}")
+    limit = getattr(config, "swiglu_limit", None)
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float))
+                              or not math.isfinite(limit) or limit <= 0):
+        raise CheckpointError(f"{file}: swiglu_limit must be a positive finite number (or null), got {limit!r}")
 
+
+MAX_SINKHORN_ITERS = 1000  # the model's 20, with room for experiments
 
 MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit on the JSON header
 
