@@ -87,6 +87,11 @@ def notebook_defaults(notebook: Path) -> dict[str, str]:
     return {name: info["default"] for name, info in found.items()}
 
 
+# What reading a verdict file of another layout raises (a number where a list was expected, a text where
+# a number was): the report is still written, its header saying the file could not be read.
+UNEXPECTED_LAYOUT = (AttributeError, TypeError, KeyError, ValueError, IndexError)
+
+
 def read_verdict(out_dir: Path, since: float, with_reasons: bool = False):
     """The verdict in out_dir/verdict.json or out_dir/parity.json (the first that this run, started at
     `since`, wrote), "unknown" when neither was. With `with_reasons`: (verdict, `verdict_reasons`)."""
@@ -96,8 +101,9 @@ def read_verdict(out_dir: Path, since: float, with_reasons: bool = False):
         return verdict
     try:
         return verdict, verdict_reasons(data) if data else []
-    except (AttributeError, TypeError):  # a hand-edited file whose reasons are not a list of texts
-        return verdict, []
+    except UNEXPECTED_LAYOUT as err:  # a hand-edited file, or a notebook's own layout: said, not crashed on
+        return verdict, [f"the verdict file's layout is not one glmkit reads ({type(err).__name__}: "
+                         f"{str(err)[:120]}); see the notebook's own output"]
 
 
 def read_verdict_data(out_dir: Path, since: float) -> dict:
@@ -494,7 +500,10 @@ def _run_locked(notebook: Path, out_dir: Path, parameters: dict, name: str) -> P
     stale.unlink(missing_ok=True)
     file_marker(stale).unlink(missing_ok=True)
     verdict, reasons = read_verdict(out_dir, started, with_reasons=True)
-    numbers = key_numbers(read_verdict_data(out_dir, started))
+    try:
+        numbers = key_numbers(read_verdict_data(out_dir, started))
+    except UNEXPECTED_LAYOUT:  # read_verdict's reasons say so
+        numbers = []
     title = notebook_title(executed, name)
     header = header_html(title, verdict, parameters, notebook_defaults(notebook), started, seconds, reasons, numbers)
     return write_marked(out_dir / f"{name}.html", notebook_html(executed, header, title), "report file")

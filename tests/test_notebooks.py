@@ -233,6 +233,27 @@ def test_the_report_header_holds_the_numbers_a_reader_compares_and_the_notebooks
     assert f"<title>{title}</title>" in text.replace("&#183;", "·") and f">{title}</h1>" in header
 
 
+def test_a_verdict_file_of_another_layout_is_said_in_the_header_not_crashed_on(tmp_path):
+    """Hostile pass 8: a verdict.json with a number where a list was expected (sites: 5, observations: [1],
+    health: ["x"], a text rel_rms) was exit 3 when the report's header read it. The report is written and
+    its header says the file's layout is not one glmkit reads."""
+    import json
+    import time
+
+    from glmkit.notebook import read_verdict
+
+    started = time.time() - 1
+    for data in ({"verdict": "pass", "sites": 5}, {"verdict": "pass", "train_rollout": [1], "first_divergence": None},
+                 {"verdict": "fail", "first_divergence": {"layer": 0, "site": "x", "rel_rms": "big"}, "thresholds": [1]}):
+        (tmp_path / "verdict.json").write_text(json.dumps(data))
+        verdict, reasons = read_verdict(tmp_path, started, with_reasons=True)
+        assert verdict == data["verdict"]
+        if "sites" in data:  # nothing to say of a pass whose sites are not a list: no reasons, no crash
+            assert reasons == []
+        else:
+            assert len(reasons) == 1 and reasons[0].startswith("the verdict file's layout is not one glmkit reads (")
+
+
 def test_key_numbers_of_a_grpo_run_and_a_launch():
     from glmkit.notebook import key_numbers
 
