@@ -786,3 +786,46 @@ def test_a_weight_version_is_a_short_printable_label(server):
     ok = requests.post(server.url + "/update_weight_version", json={"new_version": "step-12"}, timeout=10)
     assert ok.status_code == 200 and requests.get(server.url + "/get_weight_version").json() == {"weight_version": "step-12"}
     requests.post(server.url + "/update_weight_version", json={"new_version": "default"}, timeout=10)
+
+
+def test_joins_whose_trainer_never_comes_leave_the_server_serving_and_stoppable():
+    """Weights-update group joins wait (up to their timeout_s, here a day) for a trainer that never
+    hosts the rendezvous: they run on threads of their own, at most MAX_GROUP_OPERATIONS at once (one
+    more is refused by name), generation and pausing still answer, and SIGTERM stops the server within
+    its shutdown grace (5 s) plus a margin for the interpreter's exit."""
+    from glmkit.serve.server import MAX_GROUP_OPERATIONS
+
+    server = Server()
+    try:
+        port = free_port()  # nobody listens there
+        join = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+                "backend": "gloo", "timeout_s": 86400}
+
+        def wait_in_group(name):  # until it holds a place (an answer means it was refused: try again)
+            while "at once" in requests.post(server.url + "/init_weights_update_group",
+                                             json={**join, "group_name": name}, timeout=120).json()["message"]:
+                time.sleep(0.05)
+
+        for i in range(MAX_GROUP_OPERATIONS):
+            threading.Thread(target=wait_in_group, args=(f"g{i}",), daemon=True).start()
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            # a probe that gets a place (the others not all waiting yet) gives up after 1 s
+            extra = post(server, "/init_weights_update_group", {**join, "group_name": "one-more", "timeout_s": 1})
+            if "at once" in extra.json()["message"]:
+                break
+            time.sleep(0.5)
+        assert extra.status_code == 400 and extra.json() == {
+            "success": False, "message": f"{MAX_GROUP_OPERATIONS} weights-update group operations are waiting "
+                                         f"(at most {MAX_GROUP_OPERATIONS} at once); retry when one has ended"}
+        answer = post(server, "/generate", {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}})
+        assert answer.status_code == 200 and len(answer.json()["output_ids"]) == 2
+        assert post(server, "/pause_generation", {}).status_code == 200
+        assert post(server, "/continue_generation", {}).status_code == 200
+        started = time.time()
+        server.proc.terminate()
+        server.proc.wait(30)
+        assert time.time() - started < 20, f"SIGTERM took {time.time() - started:.1f} s"
+    finally:
+        if server.proc.poll() is None:
+            server.kill()

@@ -79,8 +79,52 @@ MAX_TOP_ENTRIES = 1 << 21  # top_logprobs_num x positions of one request (about 
 MAX_WEIGHT_ELEMENTS = 1 << 24  # /get_weights_by_name: one answer's floats (about 200 MB of JSON)
 HEALTH_TIMEOUT_S = 20.0  # SGLang's default; its environment variable SGLANG_HEALTH_CHECK_TIMEOUT sets it
 GROUP_TIMEOUT_S = 600.0  # rendezvous and transfers of a weights-update group, unless the body says timeout_s
+MAX_GROUP_OPERATIONS = 8  # weights-update group joins, transfers and teardowns waiting at once
+SHUTDOWN_GRACE_S = 5.0  # on SIGTERM, requests still running after this are cancelled
 PAUSE_MODES = ("abort", "retract", "in_place")
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+
+
+class GroupThreads:
+    """Runs weights-update group work (rendezvous, broadcasts, teardown) on daemon threads of its own.
+
+    A join whose trainer never comes waits up to its timeout_s (a day at most) and cannot be
+    interrupted: on asyncio's default executor a few of them would hold every worker the rest of the
+    server needs, and the process would wait for them at shutdown. Here each runs on a daemon thread,
+    at most `limit` at once; one more is refused by name."""
+
+    def __init__(self, limit: int = MAX_GROUP_OPERATIONS):
+        self.limit, self.running = limit, 0
+        self.lock = threading.Lock()
+
+    async def run(self, fn, *args):
+        with self.lock:
+            if self.running >= self.limit:
+                raise RequestError(f"{self.running} weights-update group operations are waiting (at most "
+                                   f"{self.limit} at once); retry when one has ended")
+            self.running += 1
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+
+        def settle(ok: bool, value):
+            if not future.done():  # the request may have been cancelled meanwhile
+                (future.set_result if ok else future.set_exception)(value)
+
+        def work():
+            try:
+                ok, value = True, fn(*args)
+            except BaseException as err:  # noqa: BLE001 - handed to the waiting request as its answer
+                ok, value = False, err
+            finally:
+                with self.lock:
+                    self.running -= 1
+            try:
+                loop.call_soon_threadsafe(settle, ok, value)
+            except RuntimeError:  # the server's loop has closed: nobody is waiting
+                pass
+
+        threading.Thread(target=work, name="glmkit-update-group", daemon=True).start()
+        return await future
 
 
 class Request(RequestState):
@@ -888,6 +932,7 @@ def build_app(service: EngineService, window_s: float = 0.005, max_body: int = D
     from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
     batcher = Batcher(service, window_s)
+    group_threads = GroupThreads()
     health_timeout_s = _env_seconds("SGLANG_HEALTH_CHECK_TIMEOUT", HEALTH_TIMEOUT_S)
 
     @asynccontextmanager
@@ -1203,13 +1248,13 @@ def build_app(service: EngineService, window_s: float = 0.005, max_body: int = D
         if not 0 < body["master_port"] < 65536 or not 0 < body["timeout_s"] <= 86400:
             return outcome(False, f"master_port {body['master_port']} must be in 1..65535 and timeout_s "
                                   f"{body['timeout_s']} in (0, 86400]")
-        return await weight_step(asyncio.to_thread, service.join_group, body)  # not the engine's thread
+        return await weight_step(group_threads.run, service.join_group, body)  # not the engine's thread
 
     @app.post("/destroy_weights_update_group")
     async def destroy_update_group(request: HttpRequest):
         body = protocol.parse_body(await body_of(request), {"group_name": (str, "weight_update_group")},
                                    "destroy_weights_update_group")
-        return await weight_step(asyncio.to_thread, service.destroy_group, body["group_name"])
+        return await weight_step(group_threads.run, service.destroy_group, body["group_name"])
 
     @app.post("/update_weights_from_distributed")
     async def update_from_distributed(request: HttpRequest):
@@ -1230,7 +1275,7 @@ def build_app(service: EngineService, window_s: float = 0.005, max_body: int = D
             batcher.abort(None, True)
 
         async def work():
-            tensors = await asyncio.to_thread(service.receive, body)  # the transfers: off the engine's thread
+            tensors = await group_threads.run(service.receive, body)  # the transfers: off the engine's thread
             await batcher.call(service.load_tensors, tensors, checked_version(body["weight_version"]))
             return updated("Succeeded to update parameter online", body["weight_version"])
         return await weight_step(work)
@@ -1389,7 +1434,8 @@ def serve(checkpoint, host: str = "127.0.0.1", port: int = 30000, device: str = 
     if cap < max_connections:
         warnings.warn(f"--max-connections {max_connections}: the descriptor limit (ulimit -n) leaves room for {cap}; "
                       f"serving at most {cap} connections at once")
-    config = uvicorn.Config(app, log_level="warning", access_log=False, http=bounded_protocol(header_timeout_s, cap))
+    config = uvicorn.Config(app, log_level="warning", access_log=False, http=bounded_protocol(header_timeout_s, cap),
+                            timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
     server = uvicorn.Server(config)
     on_ready(f"glmkit serve: {checkpoint} on {http_url(host, bound)} (SGLang native API; device {device}, "
              f"max batch {max_batch})")
