@@ -829,3 +829,30 @@ def test_joins_whose_trainer_never_comes_leave_the_server_serving_and_stoppable(
     finally:
         if server.proc.poll() is None:
             server.kill()
+
+
+@pytest.mark.parametrize("flag, value, needle", [
+    ("--max-batch-size", "100000000", "--max-batch-size 100000000: that many requests of 256 tokens need"),
+    ("--max-context", "1000000000000", "--max-context 1000000000000: one request's decode cache at that length needs")])
+def test_decode_caches_that_cannot_fit_are_refused_at_start(flag, value, needle):
+    run = subprocess.run([sys.executable, "-m", "glmkit", "serve", "--checkpoint", str(CKPT), "--port", "0", flag, value],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert run.returncode == 2, run.stderr
+    assert needle in run.stderr and "Traceback" not in run.stderr
+
+
+def test_a_batch_opens_the_slots_free_memory_holds_and_refuses_a_request_none_holds(monkeypatch):
+    """open_slots sizes its SlotBatch by the memory free when it opens: fewer slots than
+    --max-batch-size when that is all that fits, and a 503 naming the sizes when not even one does."""
+    from glmkit.serve import server as srv
+
+    service = srv.EngineService(load_model(CKPT), "kda=torch", max_batch=8, max_context=4096)
+    service.check_cache_fits()
+    per_slot = service.engine.cache_bytes(1, 256)
+    _, waiting = service.requests({"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}})
+    monkeypatch.setattr(srv, "cache_room", lambda device: 3.5 * per_slot)
+    assert service.open_slots(waiting, lambda it: False).lengths.numel() == 3
+    monkeypatch.setattr(srv, "cache_room", lambda device: 0.5 * per_slot)
+    with pytest.raises(srv.RequestError, match=r"a request of 7 tokens needs .* GiB of decode cache") as refused:
+        service.open_slots(waiting, lambda it: False)
+    assert refused.value.status == 503

@@ -109,6 +109,14 @@ class RolloutEngine:
         return [layer.self_attn.empty_state(batch, dtype, device) if layer.kind == "kda"
                 else layer.self_attn.empty_state(batch, capacity, dtype, device) for layer in self.model.layers]
 
+    def cache_bytes(self, batch: int, capacity: int) -> int:
+        """Bytes the decode caches of `batch` requests of `capacity` tokens take (measured on the meta
+        device, so nothing is allocated): what a SlotBatch of that size asks for before it runs."""
+        dtype, meta = self.model.dtype, torch.device("meta")
+        states = [layer.self_attn.empty_state(1, dtype, meta) if layer.kind == "kda"
+                  else layer.self_attn.empty_state(1, capacity, dtype, meta) for layer in self.model.layers]
+        return batch * sum(t.numel() * t.element_size() for state in states for t in _cache_tensors(state))
+
     @torch.no_grad()
     def prefill(self, prompts, capacity: int, all_logits: bool = False, record=None, topk_replay=None,
                 record_scores=False, rows=None):

@@ -80,9 +80,23 @@ MAX_WEIGHT_ELEMENTS = 1 << 24  # /get_weights_by_name: one answer's floats (abou
 HEALTH_TIMEOUT_S = 20.0  # SGLang's default; its environment variable SGLANG_HEALTH_CHECK_TIMEOUT sets it
 GROUP_TIMEOUT_S = 600.0  # rendezvous and transfers of a weights-update group, unless the body says timeout_s
 MAX_GROUP_OPERATIONS = 8  # weights-update group joins, transfers and teardowns waiting at once
+MIN_SLOT_TOKENS = 256  # the shortest slot a batch opens (longer ones are powers of two up to --max-context)
+PREFILL_ROWS = 8  # staging rows of a chunked prefill
+CACHE_SHARE = 0.9  # of the memory free when a batch opens, what its decode caches may take (the rest: activations)
 SHUTDOWN_GRACE_S = 5.0  # on SIGTERM, requests still running after this are cancelled
 PAUSE_MODES = ("abort", "retract", "in_place")
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+
+
+def cache_room(device: torch.device) -> float:
+    """Bytes a batch's decode caches may take now: a share of the free memory (on a GPU, with what
+    torch's allocator holds unused counted as free)."""
+    from glmkit.bounds import free_bytes
+
+    free = free_bytes(str(device))
+    if device.type == "cuda":
+        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return CACHE_SHARE * free
 
 
 class GroupThreads:
@@ -295,17 +309,42 @@ class EngineService:
             self.finish(it, Completion(prompt=list(it.prompt), finish_reason="length",
                                        routing=teacher["routing"], topk=teacher["topk"]))
 
+    def check_cache_fits(self) -> None:
+        """At start: one request at --max-context, and --max-batch-size requests at the smallest slot
+        length, must each fit their decode caches in the memory free now; refused with the numbers."""
+        device, room = self.model.device, cache_room(self.model.device)
+        one = self.engine.cache_bytes(1, self.max_context)
+        if one > room:
+            raise ValueError(f"--max-context {self.max_context}: one request's decode cache at that length needs "
+                             f"{one / 2**30:.3g} GiB and {device} has {room / 2**30:.3g} GiB for caches; lower "
+                             f"--max-context")
+        shortest = min(self.max_context, MIN_SLOT_TOKENS)
+        every = self.engine.cache_bytes(self.max_batch, shortest)
+        if every > room:
+            raise ValueError(f"--max-batch-size {self.max_batch}: that many requests of {shortest} tokens need "
+                             f"{every / 2**30:.3g} GiB of decode cache and {device} has {room / 2**30:.3g} GiB for "
+                             f"caches; lower --max-batch-size")
+
     def open_slots(self, waiting: list[Request], cancelled):
-        """A SlotBatch of --max-batch-size slots, each as long as the longest of `waiting` needs (a
-        power of two, at most --max-context); every request samples with its own settings."""
+        """A SlotBatch of --max-batch-size slots (fewer when the memory free now holds fewer), each as
+        long as the longest of `waiting` needs (a power of two, at most --max-context); every request
+        samples with its own settings."""
         from glmkit.model.rollout import SamplingParams, SlotBatch
 
         need = max(len(it.fed_prompt) + it.remaining for it in waiting)
-        capacity = min(self.max_context, max(256, 1 << (need - 1).bit_length()))
+        capacity = min(self.max_context, max(MIN_SLOT_TOKENS, 1 << (need - 1).bit_length()))
+        per_slot = self.engine.cache_bytes(1, capacity)
+        staging = min(self.max_batch, PREFILL_ROWS) if self.prefill_chunk else 0
+        room = cache_room(self.model.device)
+        slots = min(self.max_batch, int(room // per_slot) - staging)
+        if slots < 1:
+            raise RequestError(f"a request of {need} tokens needs {(1 + staging) * per_slot / 2**30:.3g} GiB of decode "
+                               f"cache and {self.model.device} has {room / 2**30:.3g} GiB for caches now; lower "
+                               f"max_new_tokens or shorten the prompt, or retry later", status=503)
         self.batches_run += 1
-        return SlotBatch(self.engine, self.max_batch, capacity, SamplingParams(), record_routing=True,
+        return SlotBatch(self.engine, slots, capacity, SamplingParams(), record_routing=True,
                          record_topk=True, cancelled=cancelled, prefill_chunk=self.prefill_chunk,
-                         sampler=self.sampler)
+                         prefill_rows=PREFILL_ROWS, sampler=self.sampler)
 
     def admit(self, slots, items: list[Request]) -> None:
         """Prefill `items` into free slots (their teacher-forced log-probs from the same prefill)."""
@@ -1426,6 +1465,7 @@ def serve(checkpoint, host: str = "127.0.0.1", port: int = 30000, device: str = 
     service = EngineService(model, backends, tok, str(checkpoint), tok_dir or "", max_batch, update_roots,
                             max_context, prefill_chunk, checkpoint_eos_ids(checkpoint, model, tok), server_args, seed,
                             max_prefill_tokens)
+    service.check_cache_fits()
     app = build_app(service, window_s, max_body, max_weights_body, body_timeout_s)
     cap = connection_cap(max_connections)
     if cap < 1:
