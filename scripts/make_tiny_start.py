@@ -1,9 +1,11 @@
 """Build the tiny variant's starting checkpoint for the smoke GRPO run: a seeded random tiny model,
-briefly trained by supervised next-token loss on the synthetic arithmetic set so that it already
-answers in the rewarded format (`...</think>\\boxed{N}`) part of the time, and GRPO has room to lift
-its reward. Writes glmkit/assets/tiny_start (weights + config + the tiny tokenizer's files).
+briefly trained by supervised next-token loss on a synthetic set. A share of its targets
+(`--plain-share`) answer in an unrewarded form (`</think>N`, no `\\boxed{}`), the rest in the rewarded
+one (`</think>\\boxed{N}`): the start knows the answers but gives them in the rewarded form only part of
+the time, so GRPO has room to lift its reward on prompts it never trains on too. Writes
+glmkit/assets/tiny_start (weights + config + the tiny tokenizer's files).
 
-    python scripts/make_tiny_start.py [--steps 300] [--lr 3e-3] [--out glmkit/assets/tiny_start]
+    python scripts/make_tiny_start.py [--data glmkit/assets/copy] [--steps 150] [--plain-share 0.5] [--lr 3e-3]
 """
 
 from __future__ import annotations
@@ -23,7 +25,11 @@ from tqdm import tqdm  # noqa: E402
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--data", default=str(ROOT / "glmkit" / "assets" / "copy"),
+                        help="a folder with train.jsonl and test.jsonl")
+    parser.add_argument("--steps", type=int, default=150)
+    parser.add_argument("--plain-share", type=float, default=0.5,
+                        help="share of targets in the unrewarded form </think>N (0: all boxed)")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
@@ -38,9 +44,9 @@ def main(argv=None):
 
     torch.manual_seed(args.seed)
     tokenizer = load_tokenizer(None)
-    train, _ = load_prompts(str(ROOT / "glmkit" / "assets" / "arith" / "train.jsonl"), tokenizer=tokenizer,
+    train, _ = load_prompts(str(Path(args.data) / "train.jsonl"), tokenizer=tokenizer,
                             shuffle_seed=args.seed)
-    test, _ = load_prompts(str(ROOT / "glmkit" / "assets" / "arith" / "test.jsonl"), tokenizer=tokenizer,
+    test, _ = load_prompts(str(Path(args.data) / "test.jsonl"), tokenizer=tokenizer,
                            shuffle_seed=args.seed)
     start = synth_checkpoint("tiny", args.seed, Path(tempfile.mkdtemp()) / "random", progress=False)
     model = load_model(start)
@@ -51,7 +57,9 @@ def main(argv=None):
         batch = [train[int(i)] for i in torch.randint(len(train), (args.batch,), generator=g)]
         seqs, masks = [], []
         for s in batch:
-            response = tokenizer.encode(format_response(s.label), add_special_tokens=False)
+            plain = torch.rand((), generator=g) < args.plain_share
+            text = f"</think>{s.label}{tokenizer.eos_token}" if plain else format_response(s.label, tokenizer.eos_token)
+            response = tokenizer.encode(text, add_special_tokens=False)
             seqs.append(s.prompt_ids + response)
             masks.append([0] * (len(s.prompt_ids) - 1) + [1] * len(response) + [0])
         out = path.forward(seqs)

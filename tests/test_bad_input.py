@@ -179,11 +179,17 @@ def train_values(folder, tiny, sharded):
     def train(*extra):
         return ["train", "--metrics-out", folder / "m.jsonl", *extra]
     return [train("--rollout-temperature", "1e-300"), train("--eps-clip", "-1"), train("--kl-loss-coef", "-1"),
-            train("--save-interval", "-3", "--save", folder / "ck")]
+            train("--save-interval", "-3", "--save", folder / "ck"), train("--lr", "3e38"),
+            train("--lr", "1e37", "--adam-beta1", "0.999")]
 
 
 def test_train_values_out_of_range_name_the_allowed_range(runs):
-    folder, (temperature, clip, kl, interval) = runs("train_values")
+    folder, (temperature, clip, kl, interval, huge_lr, huge_step) = runs("train_values")
+    # Adam's step size lr / (1 - beta1) is a float32 scalar inside torch: past its range, refused
+    assert error(huge_lr) == ("glmkit train: error: --lr 3e+38: Adam's first step size lr / (1 - adam_beta1) = "
+                              "3e+39 and its decay lr x weight_decay = 3e+37 must stay within float32 (3.4e+38); "
+                              "use a smaller --lr")
+    assert "lr / (1 - adam_beta1) = 1e+40" in error(huge_step)
     assert error(temperature) == ("glmkit train: error: --rollout-temperature 1e-300: GRPO needs >= 1e-06 (log-probs "
                                   "are those of softmax(logits / T); below it sampling is greedy)")
     assert error(clip) == "glmkit train: error: --eps-clip must be >= 0, got -1.0"

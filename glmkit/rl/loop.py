@@ -43,6 +43,7 @@ MISS_SCORE = {"deepscaler": 0.0, "math": 0.0, "dapo": -1.0}
 # `--optimizer adam --lr-decay-style constant --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.98`);
 # Megatron's own defaults differ (beta2 0.999, weight decay 0.01, linear decay). The LoRA launcher also
 # passes `--calculate-per-token-loss` (see TrainConfig.resolved).
+FLOAT32_MAX = 3.4028234663852886e38
 LAUNCHER_OPTIMIZER = dict(adam_beta1=0.9, adam_beta2=0.98, weight_decay=0.1, lr_decay_style="constant")
 
 # Per --model-name defaults; anything given on the command line wins.
@@ -197,6 +198,12 @@ class TrainConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be a finite number >= 0, got {value}")
         if cfg.adam_eps <= 0:
             raise ValueError(f"--adam-eps must be > 0, got {cfg.adam_eps}")
+        # torch's Adam hands these to the weights as float32 scalars: past its range the step is an error
+        first_step = cfg.lr / (1 - cfg.adam_beta1)
+        if first_step > FLOAT32_MAX or cfg.lr * cfg.weight_decay > FLOAT32_MAX:
+            raise ValueError(f"--lr {cfg.lr:g}: Adam's first step size lr / (1 - adam_beta1) = {first_step:.3g} and its "
+                             f"decay lr x weight_decay = {cfg.lr * cfg.weight_decay:.3g} must stay within float32 "
+                             f"({FLOAT32_MAX:.3g}); use a smaller --lr")
         if cfg.lr_decay_style not in grpo.LR_DECAY_STYLES:
             raise ValueError(f"--lr-decay-style {cfg.lr_decay_style!r}; allowed: {', '.join(grpo.LR_DECAY_STYLES)}")
         if cfg.lr_decay_iters is not None and cfg.lr_decay_iters < 1:
