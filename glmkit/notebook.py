@@ -39,6 +39,7 @@ from glmkit.report import divergence_text, versions
 from glmkit.rl.health import UNDECIDED
 
 KERNEL = "python3"   # ipykernel's spec; jupyter_client runs it with this interpreter
+MAX_VERDICT_BYTES = 64 << 20
 VERDICT_FILES = ("verdict.json", "parity.json")  # looked for in this order; any notebook may write either
 VERDICT_FILE = "parity.json"   # notebook 01's file (kept for callers of the old name)
 VERDICT_COLORS = {"pass": "#1b7f3b", "fail": "#b3261e", UNDECIDED: "#9a6700"}   # others: grey
@@ -113,8 +114,16 @@ def read_verdict_data(out_dir: Path, since: float) -> dict:
         try:
             if path.stat().st_mtime < since:
                 continue
+        except OSError:
+            continue
+        why = not_a_file(path)  # a pipe in its place would block the report for ever
+        if why is None and path.stat().st_size > MAX_VERDICT_BYTES:
+            why = f"holds {path.stat().st_size} bytes (at most {MAX_VERDICT_BYTES} are read)"
+        if why is not None:
+            return {"verdict": "unknown", "reasons": [f"{name} {why}; not read"]}
+        try:
             data = json.loads(path.read_text())
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):
             continue
         if isinstance(data, dict):
             return data
@@ -175,10 +184,12 @@ def verdict_reasons(data: dict) -> list[str]:
     health checks, too few rollouts), or for a parity result that lists none (notebook 01's
     parity.json) the first divergence of each comparison that failed; then its warnings."""
     if "reasons" in data:
-        reasons = [str(r) for r in data.get("reasons") or []]
+        given = data.get("reasons") or []
+        reasons = [str(r) for r in ([given] if isinstance(given, str) else given)]  # one text is one reason
     else:
         reasons = parity_reasons(data)
-    return reasons + [f"warning: {w}" for w in data.get("warnings") or []]
+    warned = data.get("warnings") or []
+    return reasons + [f"warning: {w}" for w in ([warned] if isinstance(warned, str) else warned)]
 
 
 def parity_reasons(data: dict) -> list[str]:

@@ -288,3 +288,22 @@ def test_a_relative_out_dir_resolves_the_same_from_the_root_from_notebooks_and_o
     assert resolve_out_dir(tmp_path / "abs") == tmp_path / "abs"
     (tmp_path / "pyproject.toml").write_text('[project]\nname = "other"\n')  # another project: not glmkit's
     assert resolve_out_dir("r") == tmp_path / "r"
+
+
+def test_a_verdict_file_that_is_a_pipe_or_a_text_is_read_without_blocking(tmp_path):
+    """Hostile pass 8: a FIFO named verdict.json blocked the report for ever; reasons given as one text
+    were split into characters. The pipe is named in the header's reason, unread; one text is one reason."""
+    import json
+    import os
+    import time
+
+    from glmkit.notebook import read_verdict
+
+    started = time.time() - 1
+    os.mkfifo(tmp_path / "verdict.json")
+    assert read_verdict(tmp_path, started, with_reasons=True) == (
+        "unknown", ["verdict.json is a named pipe (FIFO); not read"])
+    os.unlink(tmp_path / "verdict.json")
+    (tmp_path / "verdict.json").write_text(json.dumps({"verdict": "fail", "reasons": "reward fell",
+                                                       "warnings": "slow"}))
+    assert read_verdict(tmp_path, started, with_reasons=True) == ("fail", ["reward fell", "warning: slow"])
