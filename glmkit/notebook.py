@@ -486,7 +486,8 @@ def _check_notebook(notebook: Path) -> None:
 def _run_locked(notebook: Path, out_dir: Path, parameters: dict, name: str) -> Path:
     import papermill
 
-    from glmkit.outputs import file_marker, mark_file, write_marked
+    from glmkit.outputs import file_marker, mark_file
+    from glmkit.report import stage_file
 
     parameters = dict(parameters, out_dir=str(out_dir))
     running = out_dir / f".{name}.running.ipynb"
@@ -504,20 +505,34 @@ def _run_locked(notebook: Path, out_dir: Path, parameters: dict, name: str) -> P
             err.add_note(f"executed notebook saved to {failed}")
         raise
     seconds = time.time() - started
-    executed = out_dir / f"{name}.ipynb"
-    os.replace(running, executed)
-    mark_file(executed, "report file")
+    try:  # the report is rendered from the executed notebook before either replaces last run's pair
+        verdict, reasons = read_verdict(out_dir, started, with_reasons=True)
+        try:
+            numbers = key_numbers(read_verdict_data(out_dir, started))
+        except UNEXPECTED_LAYOUT:  # read_verdict's reasons say so
+            numbers = []
+        title = notebook_title(running, name)
+        header = header_html(title, verdict, parameters, notebook_defaults(notebook), started, seconds, reasons, numbers)
+        page = notebook_html(running, header, title)
+    except BaseException as err:
+        failed = out_dir / f"{name}.failed.ipynb"
+        os.replace(running, failed)
+        mark_file(failed, "report file")
+        err.add_note(f"the notebook ran; its report could not be made. Executed notebook saved to {failed}")
+        raise
+    executed, html_path = out_dir / f"{name}.ipynb", out_dir / f"{name}.html"
+    staged = stage_file(html_path, page.encode())  # whole before anything is replaced: a full disk stops here
+    try:
+        os.replace(running, executed)
+        os.replace(staged, html_path)
+    finally:
+        staged.unlink(missing_ok=True)
+    for path in (executed, html_path):
+        mark_file(path, "report file")
     stale = out_dir / f"{name}.failed.ipynb"  # this run succeeded
     stale.unlink(missing_ok=True)
     file_marker(stale).unlink(missing_ok=True)
-    verdict, reasons = read_verdict(out_dir, started, with_reasons=True)
-    try:
-        numbers = key_numbers(read_verdict_data(out_dir, started))
-    except UNEXPECTED_LAYOUT:  # read_verdict's reasons say so
-        numbers = []
-    title = notebook_title(executed, name)
-    header = header_html(title, verdict, parameters, notebook_defaults(notebook), started, seconds, reasons, numbers)
-    return write_marked(out_dir / f"{name}.html", notebook_html(executed, header, title), "report file")
+    return html_path
 
 
 def notebook_title(notebook: Path, fallback: str) -> str:

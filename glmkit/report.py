@@ -66,9 +66,30 @@ def write_atomic(path: Path, data: bytes | str, encoding: str = "utf-8", errors:
 
     The temporary has a random name and is created exclusively (O_EXCL, never through a link: a name
     planted in advance cannot redirect the write), with the umask's usual permissions."""
-    path = Path(path)
+    return write_together([(path, data)], encoding, errors)[0]
+
+
+def write_together(files, encoding: str = "utf-8", errors: str = "strict") -> list[Path]:
+    """Write several files that belong together (a report's .json and .html): each is staged whole
+    under a temporary name first, and only when all are staged are they renamed into place, so a
+    failure (a full disk) replaces none of them instead of leaving a new one beside a stale one."""
+    staged = []
+    try:
+        for path, data in files:
+            path = Path(path)
+            payload = data.encode(encoding, errors) if isinstance(data, str) else data
+            staged.append((stage_file(path, payload), path))
+        for tmp, path in staged:
+            os.replace(tmp, path)
+    finally:
+        for tmp, _ in staged:
+            tmp.unlink(missing_ok=True)
+    return [path for _, path in staged]
+
+
+def stage_file(path: Path, payload: bytes) -> Path:
+    """`payload` written whole to a fresh temporary sibling of `path` -> its name."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    payload = data.encode(encoding, errors) if isinstance(data, str) else data
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
     for _ in range(100):
         tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
@@ -82,10 +103,10 @@ def write_atomic(path: Path, data: bytes | str, encoding: str = "utf-8", errors:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(payload)
-        os.replace(tmp, path)
-    finally:
+    except BaseException:
         tmp.unlink(missing_ok=True)
-    return path
+        raise
+    return tmp
 
 
 def figure_png(fig) -> str:
@@ -151,6 +172,6 @@ def image(png_b64: str, alt: str) -> str:
 
 def write_report(out_dir: Path, name: str, html_text: str, data: dict) -> tuple[Path, Path]:
     out_dir = Path(out_dir)
-    json_path = write_atomic(out_dir / f"{name}.json", json.dumps(data, indent=2))
-    html_path = write_atomic(out_dir / f"{name}.html", html_text)
+    json_path, html_path = write_together([(out_dir / f"{name}.json", json.dumps(data, indent=2)),
+                                           (out_dir / f"{name}.html", html_text)])
     return html_path, json_path

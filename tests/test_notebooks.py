@@ -307,3 +307,51 @@ def test_a_verdict_file_that_is_a_pipe_or_a_text_is_read_without_blocking(tmp_pa
     (tmp_path / "verdict.json").write_text(json.dumps({"verdict": "fail", "reasons": "reward fell",
                                                        "warnings": "slow"}))
     assert read_verdict(tmp_path, started, with_reasons=True) == ("fail", ["reward fell", "warning: slow"])
+
+
+def test_a_report_that_cannot_be_made_leaves_last_runs_pair_as_it_was(tmp_path, capsys, monkeypatch):
+    """Hostile pass 8: the executed .ipynb replaced last run's before the .html was made, so a failure
+    there (a full disk, a rendering error) left a new notebook beside an old report. Now the page is
+    made and staged whole first: on failure both of last run's files are unchanged, and the executed
+    notebook is kept as NAME.failed.ipynb."""
+    from glmkit import notebook as nb_module
+    from glmkit.cli import main as cli_main
+
+    notebook = small_notebook(tmp_path / "pair.ipynb", "print(message * 3)")
+    out = tmp_path / "report"
+    assert main(["report", str(notebook), "--out", str(out), "-p", "message", "first"]) == 0
+    before = {name: (out / name).read_bytes() for name in ("pair.ipynb", "pair.html")}
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    for failing in ("notebook_html", "stage_file"):
+        target = nb_module if failing == "notebook_html" else __import__("glmkit.report", fromlist=["x"])
+        with monkeypatch.context() as m:
+            m.setattr(target, failing, full_disk)
+            assert cli_main(["report", str(notebook), "--out", str(out), "-p", "message", "second"]) == 4
+        assert "No space left on device" in capsys.readouterr().err
+        assert {name: (out / name).read_bytes() for name in before} == before, failing
+        assert not [p.name for p in out.iterdir() if p.name.endswith(".tmp")]
+    assert (out / "pair.failed.ipynb").is_file()  # the rendering failure kept what ran
+
+
+def test_check_reports_json_and_html_are_replaced_together(tmp_path, monkeypatch):
+    """write_together stages every file whole before renaming any: a failure staging the .html leaves
+    last run's .json too (they were a half-new pair)."""
+    from glmkit import report
+
+    report.write_report(tmp_path, "check", "<p>old</p>", {"verdict": "pass"})
+    real = report.stage_file
+
+    def stage_then_fail(path, payload):
+        if path.suffix == ".html":
+            raise OSError(28, "No space left on device")
+        return real(path, payload)
+
+    monkeypatch.setattr(report, "stage_file", stage_then_fail)
+    with pytest.raises(OSError, match="No space"):
+        report.write_report(tmp_path, "check", "<p>new</p>", {"verdict": "fail"})
+    assert json.loads((tmp_path / "check.json").read_text()) == {"verdict": "pass"}
+    assert (tmp_path / "check.html").read_text() == "<p>old</p>"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["check.html", "check.json"]
