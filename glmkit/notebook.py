@@ -40,6 +40,8 @@ from glmkit.rl.health import UNDECIDED
 
 KERNEL = "python3"   # ipykernel's spec; jupyter_client runs it with this interpreter
 MAX_VERDICT_BYTES = 64 << 20
+# a markdown image whose source is one of the cell's attachments (nbconvert fails on a missing one)
+_ATTACHMENT = re.compile(r"!\[[^\]]*\]\(\s*(?:<attachment:([^>]+)>|attachment:([^\s)]+))")
 VERDICT_FILES = ("verdict.json", "parity.json")  # looked for in this order; any notebook may write either
 VERDICT_FILE = "parity.json"   # notebook 01's file (kept for callers of the old name)
 VERDICT_COLORS = {"pass": "#1b7f3b", "fail": "#b3261e", UNDECIDED: "#9a6700"}   # others: grey
@@ -481,6 +483,18 @@ def _check_notebook(notebook: Path) -> None:
     except Exception as err:  # noqa: BLE001 - any reader or schema failure is the input's
         first = (str(err).splitlines() or [type(err).__name__])[0][:200]
         raise ValueError(f"{notebook}: not a readable Jupyter notebook ({type(err).__name__}: {first})") from None
+    language = (nb.metadata.get("language_info") or {}).get("name") or "python"
+    if str(language).lower() != "python":  # papermill writes parameters in the notebook's language
+        raise ValueError(f"{notebook}: its language_info.name is {str(language)[:60]!r}; glmkit report runs Python "
+                         f"notebooks (language python)")
+    for number, cell in enumerate(nb.cells, 1):
+        if cell.cell_type != "markdown":
+            continue
+        held = cell.get("attachments") or {}
+        for name in (bracketed or bare for bracketed, bare in _ATTACHMENT.findall(str(cell.source))):
+            if name not in held:  # the HTML export would fail after the whole run
+                raise ValueError(f"{notebook}: markdown cell {number} shows attachment:{name[:80]}, which the cell "
+                                 f"does not hold; remove the reference or attach the file")
 
 
 def _run_locked(notebook: Path, out_dir: Path, parameters: dict, name: str) -> Path:
@@ -562,6 +576,10 @@ def parse_value(text: str):
         return text
     except RecursionError:
         raise ValueError(f"a parameter value nested past {sys.getrecursionlimit()} levels: {text[:40]}...") from None
+    except ValueError:  # an integer past Python's 4300-digit conversion limit
+        raise ValueError(f"a parameter value holds an integer of more than {sys.get_int_max_str_digits()} digits "
+                         f"({text[:20]}..., {len(text)} characters); pass it quoted as a JSON string if text is "
+                         f"meant") from None
 
 
 def cmd_report(args) -> int:

@@ -355,3 +355,28 @@ def test_check_reports_json_and_html_are_replaced_together(tmp_path, monkeypatch
     assert json.loads((tmp_path / "check.json").read_text()) == {"verdict": "pass"}
     assert (tmp_path / "check.html").read_text() == "<p>old</p>"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["check.html", "check.json"]
+
+
+def test_notebooks_papermill_or_nbconvert_cannot_take_are_refused_before_running(tmp_path, capsys):
+    """Hostile pass 8, each exit 3 before: a markdown image of an attachment the cell does not hold (the
+    HTML export failed after the whole run), a notebook in another language (papermill has no parameter
+    writer for it), and an integer parameter past Python's 4300-digit limit. Now exit 2, one line each."""
+    from glmkit.cli import main as cli_main
+
+    attach = small_notebook(tmp_path / "attach.ipynb", "print(message)")
+    nb = nbformat.read(str(attach), as_version=4)
+    nb.cells.append(nbformat.v4.new_markdown_cell("![plot](attachment:missing.png) and attachment:text-only"))
+    nbformat.write(nb, str(attach))
+    lang = small_notebook(tmp_path / "lang.ipynb", "print(message)")
+    nb = nbformat.read(str(lang), as_version=4)
+    nb.metadata["language_info"] = {"name": "cobol-9000"}
+    nbformat.write(nb, str(lang))
+    plain = small_notebook(tmp_path / "plain.ipynb", "print(message)")
+    for notebook, extra, needle in (
+            (attach, [], "markdown cell 3 shows attachment:missing.png, which the cell does not hold"),
+            (lang, [], "its language_info.name is 'cobol-9000'; glmkit report runs Python notebooks"),
+            (plain, ["-p", "message", "7" * 5000], "a parameter value holds an integer of more than 4300 digits")):
+        assert cli_main(["report", str(notebook), "--out", str(tmp_path / "out"), *extra]) == 2
+        err = capsys.readouterr().err
+        assert needle in err and "internal error" not in err
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").glob("*.html"))
