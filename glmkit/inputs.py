@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import signal
+import threading
+import time
 import pickle
 import re
 import stat
@@ -111,3 +115,31 @@ def _check_tensors(value, file: str, place: str, depth: int, expanded: list) -> 
                 raise ValueError(f"{where}: an expanded view of {value.numel()} elements over {stored} stored "
                                  f"({expanded[0]} in the file's expanded views so far); glmkit reads such views up "
                                  f"to {MAX_EXPANDED_ELEMENTS} elements in all")
+
+
+class TimeLimitExceeded(Exception):
+    """Raised inside code run under `time_limit` when its seconds are up."""
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float, what: str):
+    """Interrupt the Python code inside after `seconds` (TimeLimitExceeded naming `what`): for work
+    driven by an input that may never end, such as a chat template's loops. Only the main thread can
+    take a signal, so elsewhere the code runs unbounded; an alarm already set is restored after."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        yield
+        return
+
+    def expire(signum, frame):
+        raise TimeLimitExceeded(f"{what} ran past {seconds:g} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    left, _ = signal.setitimer(signal.ITIMER_REAL, seconds)
+    started = time.monotonic()
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        if left:  # someone else's alarm: what remained of it, less the time spent here
+            signal.setitimer(signal.ITIMER_REAL, max(left - (time.monotonic() - started), 1e-3))

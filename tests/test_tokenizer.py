@@ -73,3 +73,51 @@ def test_build_script_reproduces_the_shipped_files(tmp_path):
     module.write(tmp_path)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         assert (tmp_path / name).read_text() == (TINY_TOKENIZER / name).read_text(), name
+
+
+def copy_tiny(folder: Path) -> Path:
+    folder.mkdir(exist_ok=True)
+    for f in TINY_TOKENIZER.iterdir():
+        shutil.copy(f, folder / f.name)
+    return folder
+
+
+def test_tokenizer_files_that_would_block_or_abort_the_reader_are_refused_by_name(tmp_path):
+    """Hostile pass 8: a FIFO as tokenizer_config.json read as 'no chat template' (or blocked), and a
+    tokenizer.json nested thousands deep ended in an internal error. Each is named with what it is."""
+    import os
+
+    fifo = copy_tiny(tmp_path / "fifo")
+    (fifo / "tokenizer_config.json").unlink()
+    os.mkfifo(fifo / "tokenizer_config.json")
+    with pytest.raises(ValueError, match=r"tokenizer_config.json is a named pipe \(FIFO\); expected a regular file"):
+        load_tokenizer(fifo)
+    deep = copy_tiny(tmp_path / "deep")
+    (deep / "tokenizer.json").write_text("[" * 5000 + "]" * 5000)
+    with pytest.raises(ValueError, match="tokenizer.json nests past 64 levels"):
+        load_tokenizer(deep)
+    broken = copy_tiny(tmp_path / "broken")
+    (broken / "tokenizer.json").write_text('{"model": {"type": "NoSuchModel"}}')
+    with pytest.raises(ValueError, match=f"tokenizer in {broken} cannot be read"):
+        load_tokenizer(broken)
+
+
+@pytest.mark.parametrize("template, needle", [
+    ("{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}", "ran past 5 s"),
+    ("{% for i in range(100000) %}{{ 'y' * 100 }}{% endfor %}", "the chat template made 10000000 characters"),
+])
+def test_a_chat_template_that_never_ends_or_floods_is_a_bad_row(tmp_path, template, needle, monkeypatch):
+    """A chat template is code from the tokenizer's folder: one whose loops would run for hours is
+    stopped after CHAT_TEMPLATE_SECONDS (made 1 s here), one that writes 10 M characters for a row is
+    refused above MAX_PROMPT_CHARS; either is that row's problem, named, not a hang or an abort."""
+    from glmkit.rl import data
+
+    monkeypatch.setattr(data, "CHAT_TEMPLATE_SECONDS", 1.0)
+    folder = copy_tiny(tmp_path / "tok")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = template
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = load_tokenizer(folder)
+    with pytest.raises(data.RowError, match="chat template") as err:
+        data.parse_row('{"prompt": "1+1=", "label": "2"}', 1, "prompt", "label", tok, True)
+    assert needle.replace("5 s", "1 s") in str(err.value)

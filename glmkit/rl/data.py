@@ -23,6 +23,8 @@ ON_ERROR = ("skip", "raise")
 #     response </think>\boxed{19}<eos>
 # The `deepscaler` reward finds `</think>` and grades the `\boxed{}` after it.
 RESPONSE_TEMPLATE = "</think>\\boxed{{{answer}}}{eos}"
+CHAT_TEMPLATE_SECONDS = 5.0  # one row's rendering (the tiny template takes microseconds, real ones milliseconds)
+MAX_PROMPT_CHARS = 4 << 20  # what a chat template may make of one row (a row is at most MAX_ROW_BYTES)
 
 
 @dataclass
@@ -90,11 +92,19 @@ def _label(value) -> str:
 
 
 def _prompt_text(messages: list[dict], tokenizer, apply_chat_template: bool) -> str:
+    from glmkit.inputs import time_limit
+
     if apply_chat_template and tokenizer is not None:
-        try:
-            return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        try:  # a template is code from the tokenizer's folder: its loops may not end, its text may not fit
+            with time_limit(CHAT_TEMPLATE_SECONDS, "the chat template"):
+                text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         except Exception as err:  # e.g. the template rejects a role
-            raise RowError(f"chat template failed: {err}") from err
+            raise RowError(f"chat template failed: {str(err)[:300]}") from err
+        if not isinstance(text, str):
+            raise RowError(f"chat template gave a {_type_name(text)}, not text")
+        if len(text) > MAX_PROMPT_CHARS:
+            raise RowError(f"the chat template made {len(text)} characters of this row (at most {MAX_PROMPT_CHARS})")
+        return text
     return "\n".join(m["content"] for m in messages)
 
 
