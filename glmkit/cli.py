@@ -110,6 +110,11 @@ def main(argv=None) -> int:
         return EXIT_INTERRUPTED
     except Exception as err:  # noqa: BLE001 - a fault in an argument's type function: glmkit's, not the input's
         return _internal_error("arguments", err)
+    empty = _empty_path(args)
+    if empty:
+        print(f"glmkit {args.command}: error: --{empty.replace('_', '-')} is an empty path; give a file or directory "
+              f"(or leave the option out)", file=sys.stderr)
+        return EXIT_BAD_INPUT
     default_show = warnings.showwarning
     default_term = _on_sigterm(_terminate)
     try:
@@ -126,6 +131,21 @@ def main(argv=None) -> int:
     finally:
         warnings.showwarning = default_show
         _on_sigterm(default_term)
+
+
+# options whose value is a path: given as '' (an unset shell variable) it would silently mean the default
+PATH_OPTIONS = ("checkpoint", "checkpoint_b", "prompt_data", "eval_prompt_data", "metrics_out", "job_metrics_out",
+                "miles_dir", "out", "path", "replay_topk_from", "save", "save_captures", "src", "tokenizer",
+                "train_data", "weight_update_dir", "hf", "torch_dist", "allow_updates_from", "load", "ref_load")
+
+
+def _empty_path(args) -> str | None:
+    """The first path option given as an empty string, or None."""
+    for name in PATH_OPTIONS:
+        value = getattr(args, name, None)
+        if value == "" or (isinstance(value, list) and "" in value):
+            return name
+    return None
 
 
 class Terminated(KeyboardInterrupt):
@@ -164,6 +184,9 @@ def _answer_failure(command: str, err: Exception) -> int:
             print(f"glmkit {command}: environment error: {err.strerror or err}{where} (nothing half-written is "
                   f"left in place)", file=sys.stderr)
             return EXIT_ENVIRONMENT
+        if err.errno == errno.ELOOP:
+            print(f"glmkit {command}: error: {err.filename or 'a path given'}: a loop of symbolic links", file=sys.stderr)
+            return EXIT_BAD_INPUT
         if err.errno == errno.ENAMETOOLONG:
             name = str(getattr(err, "filename", "") or "")
             print(f"glmkit {command}: error: a path is too long for the file system "

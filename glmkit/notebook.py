@@ -35,7 +35,7 @@ from datetime import datetime
 from pathlib import Path
 
 from glmkit.inputs import not_a_file
-from glmkit.report import divergence_text, versions
+from glmkit.report import divergence_text, resolve_out_dir, versions
 from glmkit.rl.health import UNDECIDED
 
 KERNEL = "python3"   # ipykernel's spec; jupyter_client runs it with this interpreter
@@ -438,6 +438,10 @@ def run_notebook(notebook, out_dir, parameters: dict, name: str | None = None) -
         raise ValueError(f"{notebook}: {why}, not a notebook")
     _check_notebook(notebook)
     _check_parameter_names(notebook, parameters)
+    given = parameters.get("out_dir")
+    if given is not None and resolve_out_dir(str(given)) != resolve_out_dir(out_dir):  # it would be replaced
+        raise ValueError(f"-p out_dir {str(given)[:80]}: the notebook's out_dir is the report directory, "
+                         f"{resolve_out_dir(out_dir)}; set it with --out")
     name = name or notebook.stem
     if not name or name.startswith(".") or "/" in name or "\\" in name or "\0" in name:
         raise ValueError(f"--name {name!r}: a report's name is a plain file name (no folder, not hidden)")

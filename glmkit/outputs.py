@@ -174,8 +174,9 @@ def write_marked(path, data: bytes | str, what: str) -> Path:
     return Path(path)
 
 
-def refuse_input_as_output(path: Path, flag: str, inputs: dict) -> None:
-    """An output path must not be one of the same command's inputs (same file, or a folder holding it)."""
+def refuse_input_as_output(path: Path, flag: str, inputs: dict, nested: bool = False) -> None:
+    """An output path must not be one of the same command's inputs (same file, or a folder holding it);
+    with `nested`, not inside an input folder either (a checkpoint written into the one it is made from)."""
     target = Path(os.path.abspath(path))
     for name, given in inputs.items():
         if not given:
@@ -185,6 +186,9 @@ def refuse_input_as_output(path: Path, flag: str, inputs: dict) -> None:
             raise ValueError(f"{flag} {path} is this run's {name}; an output never replaces an input")
         if target in source.parents or target.resolve() in source.resolve().parents:
             raise ValueError(f"{flag} {path} holds this run's {name} ({given}); an output never replaces an input")
+        if nested and (source in target.parents or source.resolve() in target.resolve().parents):
+            raise ValueError(f"{flag} {path} is inside this run's {name} ({given}); write it beside its input, "
+                             f"not into it")
 
 
 def _prefix(flag: str | None, path) -> str:

@@ -103,6 +103,11 @@ def stage_file(path: Path, payload: bytes) -> Path:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(payload)
+    except OSError as err:  # a full disk, a file-size limit: named by the file it was for
+        tmp.unlink(missing_ok=True)
+        if err.filename is None and err.errno is not None:
+            raise OSError(err.errno, err.strerror, str(path)) from None
+        raise
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

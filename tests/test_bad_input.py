@@ -8,6 +8,7 @@ and each test waits only for its own."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -1103,3 +1104,54 @@ def test_hostile_pass_6_inputs_are_refused_by_name(tmp_path, capsys):
         parse_extra_env_vars(deep)
     with pytest.raises(ValueError, match="nested past"):
         parse_value(deep)
+
+
+def test_pass_8_small_inputs_each_get_one_line_and_exit_2(tmp_path, capsys):
+    """Hostile pass 8's smaller findings, each refused by name before any work: an output through a
+    loop of links (was an internal error), a path option given as '' (was silently the default),
+    a sliced checkpoint written into its source, -p out_dir that --out would replace silently,
+    lora prepare with an alpha past float32, parity of a path against itself (a pass that means nothing)."""
+    from glmkit.cli import main as cli_main
+
+    from tests.test_notebooks import small_notebook
+
+    (tmp_path / "loop-a").symlink_to(tmp_path / "loop-b")
+    (tmp_path / "loop-b").symlink_to(tmp_path / "loop-a")
+    ckpt = Path(__file__).resolve().parents[1] / "glmkit" / "assets" / "tiny_start"
+    src = tmp_path / "src"
+    shutil.copytree(ckpt, src)
+    notebook = small_notebook(tmp_path / "nb.ipynb", "print(message)")
+    cases = [
+        (["check", "--out", str(tmp_path / "loop-a" / "x")], f"{tmp_path / 'loop-a' / 'x'}: a loop of symbolic links"),
+        (["check", "--checkpoint", "", "--out", str(tmp_path / "c")], "--checkpoint is an empty path"),
+        (["train", "--metrics-out", ""], "--metrics-out is an empty path"),
+        (["ckpt", "slice", "--src", str(src), "--layers", "2", "--out", str(src / "inner")],
+         f"--out {src / 'inner'} is inside this run's --src ({src}); write it beside its input"),
+        (["report", str(notebook), "--out", str(tmp_path / "r"), "-p", "out_dir", str(tmp_path / "other")],
+         f"-p out_dir {tmp_path / 'other'}: the notebook's out_dir is the report directory"),
+        (["lora", "prepare", "--lora-alpha", "1e39"], "--lora-alpha 1e+39: beyond float32's range"),
+        (["parity", "--checkpoint", str(ckpt), "--paths", "train,train"], "compares train with itself"),
+    ]
+    for argv, needle in cases:
+        assert cli_main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert needle in err and err.count("\n") == 1, (argv, err)
+    assert sorted(p.name for p in src.iterdir()) == sorted(p.name for p in ckpt.iterdir())
+    assert not (tmp_path / "c").exists() and not (tmp_path / "r").exists()
+
+
+def test_a_file_size_limit_names_the_file_and_leaves_nothing(tmp_path):
+    """`ulimit -f` (EFBIG, 'File too large') was said without the file: now the write names it and
+    leaves no temporary behind (Python ignores SIGXFSZ, so the write raises)."""
+    probe = ("import resource, sys\n"
+             "resource.setrlimit(resource.RLIMIT_FSIZE, (1024, 1024))\n"
+             "from glmkit.report import write_atomic\n"
+             "try:\n"
+             "    write_atomic(sys.argv[1], b'x' * 4096)\n"
+             "except OSError as err:\n"
+             "    print(err.errno, err.filename)\n")
+    target = tmp_path / "big.html"
+    run = subprocess.run([sys.executable, "-c", probe, str(target)], capture_output=True, text=True, timeout=60,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert run.stdout.split() == [str(errno.EFBIG), str(target)], run.stderr
+    assert list(tmp_path.iterdir()) == []

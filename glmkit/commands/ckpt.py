@@ -30,7 +30,7 @@ def cmd_ckpt_slice(args) -> int:
     from glmkit.outputs import RunLock, refuse_input_as_output, refuse_package_paths
 
     refuse_package_paths(args.out, "--out")
-    refuse_input_as_output(args.out, "--out", {"--src": args.src})  # an output never replaces its own input
+    refuse_input_as_output(args.out, "--out", {"--src": args.src}, nested=True)  # never replaces, nor goes into, its input
     check_dir_out(args.out, "--out", args.overwrite)
     with RunLock(args.out, "--out"):
         out = slice_checkpoint(source, args.layers, args.out, overwrite=args.overwrite)

@@ -69,6 +69,9 @@ def _parity(args) -> int:
     paths = [p.strip() for p in args.paths.split(",") if p.strip()]
     if len(paths) != 2:
         raise ValueError(f"--paths takes two paths separated by a comma, got {args.paths!r}")
+    if paths[0] == paths[1] and not args.checkpoint_b:  # a path against itself can only pass
+        raise ValueError(f"--paths {args.paths}: compares {paths[0]} with itself; give two paths, or --checkpoint-b to "
+                         f"compare two checkpoints on one path")
     thresholds = _thresholds(args.threshold)
     if not any(Path(p).is_dir() for p in paths):  # generated inputs (dump folders bring their own)
         from glmkit.bounds import check_tokens_fit

@@ -91,6 +91,7 @@ def cmd_lora_prepare(args) -> int:
     from glmkit.checkpoint import open_checkpoint
     from glmkit.config import variant_config
 
+    lora.check_settings(args.lora_rank, args.lora_alpha)
     # the checkpoint's own config when there is one (tiny: the shipped start), else the variant's
     checkpoint = args.checkpoint or PRESETS[args.model_name].get("checkpoint")
     config = open_checkpoint(checkpoint).config if checkpoint else variant_config(args.model_name)

@@ -35,7 +35,7 @@ ASSETS = Path(__file__).resolve().parents[1] / "assets"
 
 MAX_RESPONSE_LEN = 1 << 20  # tokens one response may reach (the recipe's runs use 4096 - 65536)
 MAX_EVAL_SAMPLES = 1024  # samples per held-out prompt: pass@k past k = 1024 is not a smoke run's question
-FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_MAX = torch.finfo(torch.float32).max
 EVAL_SEED_OFFSET = 1 << 40  # evaluation samples with seeds no training rollout uses
 # A sample whose grader raised (the framework's run would stop) counts as a miss: its lowest score.
 MISS_SCORE = {"deepscaler": 0.0, "math": 0.0, "dapo": -1.0}
@@ -43,7 +43,6 @@ MISS_SCORE = {"deepscaler": 0.0, "math": 0.0, "dapo": -1.0}
 # `--optimizer adam --lr-decay-style constant --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.98`);
 # Megatron's own defaults differ (beta2 0.999, weight decay 0.01, linear decay). The LoRA launcher also
 # passes `--calculate-per-token-loss` (see TrainConfig.resolved).
-FLOAT32_MAX = 3.4028234663852886e38
 LAUNCHER_OPTIMIZER = dict(adam_beta1=0.9, adam_beta2=0.98, weight_decay=0.1, lr_decay_style="constant")
 
 # Per --model-name defaults; anything given on the command line wins.
@@ -1185,6 +1184,11 @@ def append_row(stream, row: str) -> None:
     try:
         while data:
             data = data[stream.write(data):]  # a raw write may take only part
+    except OSError as err:
+        os.ftruncate(stream.fileno(), start)
+        if err.filename is None and err.errno is not None:  # a full disk, a size limit: named by its file
+            raise OSError(err.errno, err.strerror, str(getattr(stream, "name", "the metrics file"))) from None
+        raise
     except BaseException:
         os.ftruncate(stream.fileno(), start)
         raise

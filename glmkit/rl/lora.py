@@ -23,6 +23,7 @@ from torch import nn
 ATTN_KDA = ("q_proj", "k_proj", "v_proj", "o_proj", "b_proj", "f_a_proj", "f_b_proj", "g_a_proj", "g_b_proj")
 ATTN_DSA = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
 MLP_PROJ = ("gate_proj", "up_proj", "down_proj")
+FLOAT32_MAX = torch.finfo(torch.float32).max
 DEFAULT_EXCLUDE = "*.mlp.experts.*,*.self_attn.kv_b_proj"
 
 # Why a projection can never carry an adapter (checked in this order).
@@ -120,10 +121,18 @@ def select(model, target_modules: str, exclude_modules: str = DEFAULT_EXCLUDE) -
     return sorted(chosen)
 
 
-def apply_lora(model, names: list[str], rank: int, alpha: float) -> list[str]:
-    """Freeze every parameter, then wrap the named projections with trainable adapters."""
+def check_settings(rank: int, alpha: float) -> None:
+    """A rank of at least 1, and an alpha that float32 holds (as training requires of every setting)."""
     if rank < 1:
         raise ValueError(f"--lora-rank must be >= 1, got {rank}")
+    if not abs(alpha) <= FLOAT32_MAX:
+        raise ValueError(f"--lora-alpha {alpha:g}: beyond float32's range (|x| <= {FLOAT32_MAX:.3g}); the "
+                         f"framework's launchers use 32")
+
+
+def apply_lora(model, names: list[str], rank: int, alpha: float) -> list[str]:
+    """Freeze every parameter, then wrap the named projections with trainable adapters."""
+    check_settings(rank, alpha)
     for p in model.parameters():
         p.requires_grad_(False)
     modules = dict(model.named_modules())
