@@ -83,7 +83,8 @@ MAX_GROUP_OPERATIONS = 8  # weights-update group joins, transfers and teardowns 
 MIN_SLOT_TOKENS = 256  # the shortest slot a batch opens (longer ones are powers of two up to --max-context)
 PREFILL_ROWS = 8  # staging rows of a chunked prefill
 CACHE_SHARE = 0.9  # of the memory free when a batch opens, what its decode caches may take (the rest: activations)
-SHUTDOWN_GRACE_S = 5.0  # on SIGTERM, requests still running after this are cancelled
+SHUTDOWN_GRACE_S = 5.0
+PARSE_INLINE_BYTES = 1 << 20  # bodies at least this large are parsed on a worker thread  # on SIGTERM, requests still running after this are cancelled
 PAUSE_MODES = ("abort", "retract", "in_place")
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 
@@ -999,26 +1000,26 @@ def build_app(service: EngineService, window_s: float = 0.005, max_body: int = D
         from starlette.requests import ClientDisconnect
 
         data = bytearray()
-        pieces = request.stream().__aiter__()
+        loop = asyncio.get_running_loop()
         try:
-            while True:
-                try:
-                    piece = await asyncio.wait_for(pieces.__anext__(), body_timeout_s)
-                except StopAsyncIteration:
-                    break
-                except asyncio.TimeoutError:
-                    raise RequestError(f"no part of the request body arrived for {body_timeout_s:g} s "
-                                       f"(--body-timeout-s); {len(data)} bytes had arrived", status=408) from None
-                data += piece
-                if len(data) > limit:
-                    raise RequestError(f"request body exceeds this server's limit of {limit} bytes ({flag})",
-                                       status=413)
+            # one deadline moved on by each piece (not a task per piece: a body sent a byte at a time
+            # would otherwise keep the event loop, and /health with it, busy)
+            async with asyncio.timeout(body_timeout_s) as deadline:
+                async for piece in request.stream():
+                    deadline.reschedule(loop.time() + body_timeout_s)
+                    data += piece
+                    if len(data) > limit:
+                        raise RequestError(f"request body exceeds this server's limit of {limit} bytes ({flag})",
+                                           status=413)
+        except TimeoutError:
+            raise RequestError(f"no part of the request body arrived for {body_timeout_s:g} s "
+                               f"(--body-timeout-s); {len(data)} bytes had arrived", status=408) from None
         except ClientDisconnect:  # the client left mid-body: nothing to answer, nothing to log as a fault
             raise RequestError("the client disconnected before sending the whole body", status=400) from None
         if not data.strip():
             return {}
-        try:
-            body = json.loads(data)
+        try:  # a large body is parsed off the event loop, which keeps answering meanwhile
+            body = json.loads(data) if len(data) < PARSE_INLINE_BYTES else await asyncio.to_thread(json.loads, data)
         except (ValueError, UnicodeDecodeError, RecursionError) as err:
             raise RequestError(f"the body is not valid JSON: {err}", layout="bad_request") from None
         if _SURROGATE_ESCAPE.search(data) and (where := _lone_surrogate(body)) is not None:
