@@ -265,14 +265,16 @@ verdict: {html.escape(verdict_label(verdict))}</div>
 </div>"""
 
 
-def offline_notebook(nb):
-    """A copy of an executed notebook for the report: no widget state, and each output with only the
-    types in `REPORT_MIMETYPES` (images only when their data is base64); its HTML through the sanitiser
-    (`glmkit.seal`); what `widgets.show` displayed keeps its static PNG or HTML, and a bare widget (or
-    script: nothing but its text repr left) is dropped."""
+def offline_notebook(nb, in_place: bool = False):
+    """A copy of an executed notebook for the report (`in_place`: the notebook itself, for one read
+    only for this): no widget state, and each output with only the types in `REPORT_MIMETYPES`
+    (images only when their data is base64); its HTML through the sanitiser (`glmkit.seal`); what
+    `widgets.show` displayed keeps its static PNG or HTML, and a bare widget (or script: nothing but
+    its text repr left) is dropped. A text longer than MAX_OUTPUT_CHARS is cut, saying so (the
+    executed notebook keeps all of it)."""
     from glmkit.seal import sanitize_html
 
-    nb = copy.deepcopy(nb)
+    nb = nb if in_place else copy.deepcopy(nb)
     nb.metadata.pop("widgets", None)
     for cell in nb.cells:
         if cell.get("cell_type") != "code":
@@ -289,12 +291,27 @@ def offline_notebook(nb):
                     del data[mime]
                 if set(dropped) & set(CODE_MIMETYPES) and set(data) <= {"text/plain"}:
                     continue
+                for mime in ("text/plain", "text/html", "text/markdown", "text/latex"):
+                    if mime in data:
+                        data[mime] = _cut("".join(data[mime]) if isinstance(data[mime], list) else data[mime])
                 if "text/html" in data:
-                    html_text = data["text/html"]
-                    data["text/html"] = sanitize_html("".join(html_text) if isinstance(html_text, list) else html_text)
+                    data["text/html"] = sanitize_html(data["text/html"])
+            if output.get("output_type") == "stream":
+                output["text"] = _cut("".join(output.get("text") or []) if isinstance(output.get("text"), list)
+                                      else output.get("text") or "")
             kept.append(output)
         cell.outputs = kept
     return nb
+
+
+MAX_OUTPUT_CHARS = 1 << 20  # of one text output in the report: a 300 MB print would make a page no one reads
+
+
+def _cut(text) -> str:
+    if not isinstance(text, str) or len(text) <= MAX_OUTPUT_CHARS:
+        return text
+    return (text[:MAX_OUTPUT_CHARS] + f"\n[... {len(text) - MAX_OUTPUT_CHARS} more characters of this output are in "
+            f"the executed notebook (.ipynb) beside this report]")
 
 
 _IMAGE_SIZES = ("width", "height")
@@ -410,7 +427,7 @@ def notebook_html(executed: Path, header: str, title: str | None = None) -> str:
 
     exporter = _sealed_exporter()
     title = title or Path(executed).stem
-    body, _ = exporter.from_notebook_node(offline_notebook(nbformat.read(str(executed), as_version=4)),
+    body, _ = exporter.from_notebook_node(offline_notebook(nbformat.read(str(executed), as_version=4), in_place=True),
                                           resources={"metadata": {"name": title}})
     start = body.find("<body")
     if start < 0:

@@ -380,3 +380,19 @@ def test_notebooks_papermill_or_nbconvert_cannot_take_are_refused_before_running
         err = capsys.readouterr().err
         assert needle in err and "internal error" not in err
     assert not (tmp_path / "out").exists() or not list((tmp_path / "out").glob("*.html"))
+
+
+def test_a_huge_output_is_cut_in_the_report_and_kept_whole_in_the_notebook(tmp_path, capsys):
+    """Hostile pass 8: a 300 MB print took 4.4 GB to render (100 MB: 1.7 GB, now 0.6 GB). Each text
+    output in the page is cut at MAX_OUTPUT_CHARS, saying where the rest is; the .ipynb keeps it all."""
+    from glmkit.notebook import MAX_OUTPUT_CHARS
+
+    notebook = small_notebook(tmp_path / "loud.ipynb", "print('x' * 3_000_000)")
+    out = tmp_path / "report"
+    assert main(["report", str(notebook), "--out", str(out)]) == 0
+    page = (out / "loud.html").read_text()
+    assert f"[... {3_000_001 - MAX_OUTPUT_CHARS} more characters of this output are in the executed notebook" in page
+    assert len(page) < MAX_OUTPUT_CHARS + 2_000_000 and "x" * MAX_OUTPUT_CHARS in page
+    executed = nbformat.read(str(out / "loud.ipynb"), as_version=4)
+    printed = next(c for c in executed.cells if c.get("outputs"))
+    assert "".join(printed.outputs[0]["text"]).count("x") == 3_000_000
