@@ -5,7 +5,7 @@ one (`</think>\\boxed{N}`): the start knows the answers but gives them in the re
 the time, so GRPO has room to lift its reward on prompts it never trains on too. Writes
 glmkit/assets/tiny_start (weights + config + the tiny tokenizer's files).
 
-    python scripts/make_tiny_start.py [--data glmkit/assets/copy] [--steps 150] [--plain-share 0.5] [--lr 3e-3]
+    python scripts/make_tiny_start.py [--data glmkit/assets/copy] [--steps 150] [--plain-share 0.7] [--lr 3e-3]
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def main(argv=None):
     parser.add_argument("--data", default=str(ROOT / "glmkit" / "assets" / "copy"),
                         help="a folder with train.jsonl and test.jsonl")
     parser.add_argument("--steps", type=int, default=150)
-    parser.add_argument("--plain-share", type=float, default=0.5,
+    parser.add_argument("--plain-share", type=float, default=0.7,
                         help="share of targets in the unrewarded form </think>N (0: all boxed)")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--lr", type=float, default=3e-3)

@@ -12,6 +12,7 @@ from glmkit.rl.data import DEFAULT_DAPO_PATH, Problem, format_response, load_pro
 from glmkit.tokenizer import load_tokenizer
 
 ARITH = Path(__file__).resolve().parents[1] / "glmkit" / "assets" / "arith"
+COPY = ARITH.parent / "copy"
 
 
 def write_rows(path, lines):
@@ -118,6 +119,20 @@ def test_shipped_arith_set():
         assert max(s.prompt_ids) < 1024
     sizes = sum(f.stat().st_size for f in ARITH.glob("*.jsonl"))
     assert sizes < 300 * 1024
+
+
+def test_shipped_copy_set():
+    """The tiny preset's set: `a+0=` -> a for 0 <= a < 1000, 900 training and 100 held-out numbers,
+    no number in both."""
+    tokenizer = load_tokenizer(None)
+    train, problems = load_prompts(COPY / "train.jsonl", tokenizer=tokenizer, on_error="raise")
+    test, _ = load_prompts(COPY / "test.jsonl", tokenizer=tokenizer, on_error="raise")
+    assert (len(train), len(test), problems) == (900, 100, [])
+    assert all(s.metadata["source"] == "synthetic" for s in train + test)
+    numbers = [int(s.label) for s in train + test]
+    assert sorted(numbers) == list(range(1000))  # each number once: held out means never trained on
+    for s in train + test:
+        assert s.prompt_text == f"<bos><|user|>{s.label}+0=<|assistant|><think>"
 
 
 def test_format_response_is_short_and_rewarded():

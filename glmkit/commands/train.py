@@ -115,7 +115,7 @@ def add_commands(sub) -> None:
         p.add_argument("--model-name", default="tiny", choices=list(PRESETS))
         p.add_argument("--checkpoint", help="HF checkpoint directory (tiny: the shipped starting checkpoint)")
         p.add_argument("--tokenizer", help="tokenizer directory (default: the checkpoint's own files)")
-        p.add_argument("--prompt-data", help="jsonl with chat prompts and labels (tiny: shipped synthetic arithmetic)")
+        p.add_argument("--prompt-data", help="jsonl with chat prompts and labels (tiny: the shipped synthetic copy task)")
         p.add_argument("--input-key", default="prompt")
         p.add_argument("--label-key", default="label")
         p.add_argument("--rm-type", default="deepscaler", choices=["deepscaler", "math", "dapo"])
@@ -166,7 +166,7 @@ def add_commands(sub) -> None:
         p.add_argument("--tis-clip-low", type=_finite, default=0.0)
         p.add_argument("--eval-prompt-data", nargs="+", metavar="[NAME] FILE",
                        help="held-out prompts (jsonl; none of them a training prompt), evaluated before training, "
-                            "every --eval-interval rollouts and after the last (tiny preset: the arithmetic test split)")
+                            "every --eval-interval rollouts and after the last (tiny preset: the copy task's 100 held-out numbers)")
         p.add_argument("--eval-interval", type=_positive, help="rollouts between evaluations (tiny preset: 5)")
         p.add_argument("--n-samples-per-eval-prompt", type=_positive, default=1,
                        help="samples per eval prompt (> 1: sampled at --eval-temperature, eval/pass@k logged)")

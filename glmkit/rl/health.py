@@ -17,7 +17,7 @@ HEALTHY_FULL = {
 NOT_APPLICABLE = {
     "tiny": {
         "train/train_rollout_logprob_abs_diff": None,
-        "rollout/raw_reward": "the tiny preset learns synthetic arithmetic from a pre-trained start, not DAPO-Math",
+        "rollout/raw_reward": "the tiny preset learns a synthetic copy task from a pre-trained start, not DAPO-Math",
         "train/grad_norm": "a 1.5 MB model with a larger learning rate: its gradient scale is its own",
         "train/ppo_kl": "the tiny preset takes 4 optimizer steps per rollout on a 1.5 MB model: its own scale",
     },
