@@ -5,13 +5,13 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import signal
-import threading
-import time
 import pickle
 import re
+import signal
 import stat
 import struct
+import threading
+import time
 from pathlib import Path
 
 # What unpickling arbitrary bytes can raise (torch.load weights_only included): a reader that catches these

@@ -83,8 +83,8 @@ MAX_GROUP_OPERATIONS = 8  # weights-update group joins, transfers and teardowns 
 MIN_SLOT_TOKENS = 256  # the shortest slot a batch opens (longer ones are powers of two up to --max-context)
 PREFILL_ROWS = 8  # staging rows of a chunked prefill
 CACHE_SHARE = 0.9  # of the memory free when a batch opens, what its decode caches may take (the rest: activations)
-SHUTDOWN_GRACE_S = 5.0
-PARSE_INLINE_BYTES = 1 << 20  # bodies at least this large are parsed on a worker thread  # on SIGTERM, requests still running after this are cancelled
+SHUTDOWN_GRACE_S = 5.0  # on SIGTERM, requests still running after this are cancelled
+PARSE_INLINE_BYTES = 1 << 20  # bodies at least this large are parsed on a worker thread
 PAUSE_MODES = ("abort", "retract", "in_place")
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 
