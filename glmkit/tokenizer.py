@@ -59,22 +59,23 @@ def _check_files(directory: Path) -> None:
         if not os.path.lexists(path):
             continue
         if (why := not_a_file(path)) is not None:
-            raise ValueError(f"tokenizer in {directory}: {name} {why}; expected a regular file")
+            raise ValueError(f"tokenizer in {directory} cannot be read: {name} {why}; expected a regular file")
         size = path.stat().st_size
         if size > MAX_TOKENIZER_FILE_BYTES:
-            raise ValueError(f"tokenizer in {directory}: {name} holds {size} bytes (at most {MAX_TOKENIZER_FILE_BYTES})")
+            raise ValueError(f"tokenizer in {directory} cannot be read: {name} holds {size} bytes (at most "
+                             f"{MAX_TOKENIZER_FILE_BYTES})")
         if name.endswith(".json"):
             try:
                 depth = _json_depth(json.loads(path.read_bytes()))
             except RecursionError:
                 depth = MAX_JSON_DEPTH + 1
             except ValueError as err:
-                raise ValueError(f"tokenizer in {directory}: {name} is not JSON ({str(err)[:120]})") from None
+                raise ValueError(f"tokenizer in {directory} cannot be read: {name} is not JSON ({str(err)[:120]})") from None
             if depth > MAX_JSON_DEPTH:
-                raise ValueError(f"tokenizer in {directory}: {name} nests past {MAX_JSON_DEPTH} levels (a "
+                raise ValueError(f"tokenizer in {directory} cannot be read: {name} nests past {MAX_JSON_DEPTH} levels (a "
                                  f"tokenizer's files nest a few)")
         elif name.endswith(".jinja") and size > MAX_TEMPLATE_BYTES:
-            raise ValueError(f"tokenizer in {directory}: {name} holds {size} bytes (a chat template at most "
+            raise ValueError(f"tokenizer in {directory} cannot be read: {name} holds {size} bytes (a chat template at most "
                              f"{MAX_TEMPLATE_BYTES})")
 
 

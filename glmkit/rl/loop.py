@@ -198,12 +198,6 @@ class TrainConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be a finite number >= 0, got {value}")
         if cfg.adam_eps <= 0:
             raise ValueError(f"--adam-eps must be > 0, got {cfg.adam_eps}")
-        # torch's Adam hands these to the weights as float32 scalars: past its range the step is an error
-        first_step = cfg.lr / (1 - cfg.adam_beta1)
-        if first_step > FLOAT32_MAX or cfg.lr * cfg.weight_decay > FLOAT32_MAX:
-            raise ValueError(f"--lr {cfg.lr:g}: Adam's first step size lr / (1 - adam_beta1) = {first_step:.3g} and its "
-                             f"decay lr x weight_decay = {cfg.lr * cfg.weight_decay:.3g} must stay within float32 "
-                             f"({FLOAT32_MAX:.3g}); use a smaller --lr")
         if cfg.lr_decay_style not in grpo.LR_DECAY_STYLES:
             raise ValueError(f"--lr-decay-style {cfg.lr_decay_style!r}; allowed: {', '.join(grpo.LR_DECAY_STYLES)}")
         if cfg.lr_decay_iters is not None and cfg.lr_decay_iters < 1:
@@ -232,6 +226,12 @@ class TrainConfig:
             if isinstance(value, float) and math.isfinite(value) and abs(value) > FLOAT32_MAX:
                 raise ValueError(f"--{f.name.replace('_', '-')} {value:g}: beyond float32's range (|x| <= 3.4e38), "
                                  f"which the loss and the optimizer compute in")
+        # torch's Adam hands these to the weights as float32 scalars: past its range the step is an error
+        first_step = cfg.lr / (1 - cfg.adam_beta1)
+        if first_step > FLOAT32_MAX or cfg.lr * cfg.weight_decay > FLOAT32_MAX:
+            raise ValueError(f"--lr {cfg.lr:g}: Adam's first step size lr / (1 - adam_beta1) = {first_step:.3g} and its "
+                             f"decay lr x weight_decay = {cfg.lr * cfg.weight_decay:.3g} must stay within float32 "
+                             f"({FLOAT32_MAX:.3g}); use a smaller --lr")
         if cfg.mfu_peak_tflops is not None and not (math.isfinite(cfg.mfu_peak_tflops) and cfg.mfu_peak_tflops > 0):
             raise ValueError(f"--mfu-peak-tflops must be > 0, got {cfg.mfu_peak_tflops}")
         if cfg.tis_clip_low > cfg.tis_clip:
