@@ -412,8 +412,11 @@ def test_weight_updates_change_the_logprobs(server, updates_root, tmp_path):
     assert bad.status_code == 400 and "not base64 of a safetensors blob" in bad.json()["message"]
     poisoned = head.clone()
     poisoned[3, 5] = float("nan")
-    with pytest.raises(SGLangError, match=r"hold NaN or Inf, e.g. 'lm_head.weight': update refused"):
+    with pytest.raises(SGLangError, match=r"hold NaN or Inf in the model's dtype .*, e.g. 'lm_head.weight': update refused"):
         client.update_weights_from_tensor({"model.norm.weight": torch.ones(64) * 3, "lm_head.weight": poisoned})
+    # hostile pass 9: float64 values past float32's range are finite as sent and Inf once held: refused too
+    with pytest.raises(SGLangError, match=r"e.g. 'model.norm.weight': update refused, the weights are unchanged"):
+        client.update_weights_from_tensor({"model.norm.weight": torch.full((64,), 1e300, dtype=torch.float64)})
     assert torch.equal(logprobs()[0], restored)  # nothing of the refused update was written
     assert logprobs()[1] == "disk-1"  # refused updates changed nothing
 

@@ -520,11 +520,14 @@ class EngineService:
             if not (value.dtype.is_floating_point and params[own].dtype.is_floating_point):
                 raise RequestError(f"tensor {name!r} has dtype {value.dtype}; expected a floating-point tensor "
                                    f"(the model's is {params[own].dtype})")
-            mapped[own] = value
+            # checked as the model will hold it: a float64 1e300 is finite, and Inf once cast to float32
+            mapped[own] = value.to(params[own].dtype)
         bad = protocol.bad_tensors(mapped)
         if bad:
-            raise RequestError(f"{len(bad)} tensor(s) hold NaN or Inf, e.g. {bad[0]!r}: update refused, the weights "
-                               f"are unchanged")
+            given = {self.own_name(name): name for name in tensors}
+            raise RequestError(f"{len(bad)} tensor(s) hold NaN or Inf in the model's dtype (a value past its range "
+                               f"becomes Inf), e.g. {given.get(bad[0], bad[0])!r}: update refused, the weights are "
+                               f"unchanged")
         return mapped
 
     def load_tensors(self, tensors: dict, version: str | None) -> str:
