@@ -297,6 +297,11 @@ BAD_REQUESTS = [
      "top_logprobs_num must be in [0, 1000]"),
     ({"input_ids": [1, 2], "return_logprob": True, "top_logprobs_num": 1000, "sampling_params": {"max_new_tokens": 4000}},
      "message", "this server answers at most 2097152 per request"),
+    # hostile pass 9: texts and stop strings were tokenized whole on the event loop, before any bound
+    ({"text": "7" * (64 * 4096 + 1)}, "message",
+     "text of 262145 characters: longer than any input of --max-context 4096 tokens (262144 characters at 64 a token)"),
+    ({"input_ids": [1, 2], "sampling_params": {"stop": ["x" * 40000, "y" * 30000]}}, "message",
+     "stop strings of 70000 characters in all; at most 65536"),
 ]
 
 

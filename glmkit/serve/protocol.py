@@ -135,6 +135,7 @@ TOP_K_ALL = 1 << 30
 MAX_TOP_LOGPROBS = 1000  # entries per position: bounds what one answer holds
 GREEDY_BELOW = 1e-6  # SGLang's _SAMPLING_EPS
 MAX_STOP_STRINGS = 32
+MAX_STOP_CHARS = 1 << 16  # of all a request's stop strings together
 
 
 @dataclass(frozen=True)
@@ -236,6 +237,9 @@ def _verified(kw: dict, vocab_size: int, where: str) -> Sampling:
          f"stream_interval must be at least 1, got {kw.get('stream_interval')}."),
         (len(kw.get("stop", ())) <= MAX_STOP_STRINGS,
          f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(kw.get('stop', ()))}"),
+        (sum(map(len, kw.get("stop", ()))) <= MAX_STOP_CHARS,
+         f"stop strings of {sum(map(len, kw.get('stop', ())))} characters in all; at most {MAX_STOP_CHARS} (each is "
+         f"decoded against the output's tail at every step)"),
     ]
     for ok, message in checks:
         if not ok:

@@ -85,6 +85,7 @@ PREFILL_ROWS = 8  # staging rows of a chunked prefill
 CACHE_SHARE = 0.9  # of the memory free when a batch opens, what its decode caches may take (the rest: activations)
 SHUTDOWN_GRACE_S = 5.0  # on SIGTERM, requests still running after this are cancelled
 PARSE_INLINE_BYTES = 1 << 20  # bodies at least this large are parsed on a worker thread
+MAX_CHARS_PER_TOKEN = 64  # a text input longer than --max-context x this cannot fit the context
 PAUSE_MODES = ("abort", "retract", "in_place")
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 
@@ -261,6 +262,11 @@ class EngineService:
     def encode(self, texts: list[str]) -> list[list[int]]:
         if self.tokenizer is None:
             raise RequestError("this server has no tokenizer (start it with --tokenizer DIR); send input_ids")
+        limit = MAX_CHARS_PER_TOKEN * self.max_context
+        for t in texts:  # refused before the tokenizer spends seconds and gigabytes on it
+            if len(t) > limit:
+                raise RequestError(f"text of {len(t)} characters: longer than any input of --max-context "
+                                   f"{self.max_context} tokens ({limit} characters at {MAX_CHARS_PER_TOKEN} a token)")
         return [self.tokenizer.encode(t) for t in texts]
 
     def requests(self, raw) -> tuple[protocol.Generate, list[Request]]:
@@ -1106,8 +1112,8 @@ def build_app(service: EngineService, window_s: float = 0.005, max_body: int = D
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(request: HttpRequest):
         raw = await body_of(request)
-        try:
-            gen, items = service.requests(raw)
+        try:  # tokenizing texts and stop strings: off the event loop, which keeps answering /health
+            gen, items = await asyncio.to_thread(service.requests, raw)
         except RequestError as err:
             if err.layout == "message" and isinstance(raw, dict) and raw.get("stream") is True:
                 return StreamingResponse(_stream_error(err), media_type="text/event-stream")
