@@ -15,6 +15,12 @@ def free_bytes(device: str) -> int:
     return psutil.virtual_memory().available
 
 
+def bytes_per_token(config) -> int:
+    """A lower bound of what one token kept through a forward takes: its logits in fp32 and each
+    layer's mHC streams for one site."""
+    return 4 * (config.vocab_size + config.num_hidden_layers * config.hidden_size * config.hc_mult)
+
+
 def check_tokens_fit(config, batch: int, seq_len: int, device: str, what: str, paths: int = 2) -> None:
     """batch x seq_len tokens through `paths` paths that keep per-token captures: a lower bound of the
     memory they take (the logits in fp32, and each layer's mHC streams for one site) against what
@@ -22,7 +28,7 @@ def check_tokens_fit(config, batch: int, seq_len: int, device: str, what: str, p
     if batch < 1 or seq_len < 1:
         raise ValueError(f"{what}: batch and sequence length must be >= 1, got {batch} x {seq_len}")
     tokens = batch * seq_len
-    per_token = 4 * (config.vocab_size + config.num_hidden_layers * config.hidden_size * config.hc_mult)
+    per_token = bytes_per_token(config)
     need = paths * tokens * per_token
     have = free_bytes(device)
     if need > have:

@@ -567,3 +567,25 @@ def test_resume_and_overwrite_never_remove_what_glmkit_did_not_write(tmp_path):
     with pytest.raises(ValueError, match="--metrics-out .* is inside --save"):
         GRPOTrainer(TrainConfig(model_name="tiny", metrics_out=str(tmp_path / "s" / "m.jsonl"), progress=False,
                                 **{**kw, "save": str(tmp_path / "s")}))
+
+
+def test_prompts_too_long_for_a_step_are_left_out_by_line(tmp_path):
+    """Hostile pass 9: a 900 KB row (under the 1 MiB row limit) ran the machine out of memory in the
+    first rollout. Rows longer than --rollout-max-prompt-len (the framework's option; the tiny preset
+    sets 1024), the model's context less the response, or a lower-bound memory estimate of their n
+    samples are left out, named by line in one warning; with --on-bad-row raise the first is an error."""
+    data = tmp_path / "long.jsonl"
+    rows = [{"prompt": "1" * 900_000 + "+0=", "label": "1"}, {"prompt": "2" * 2000 + "+0=", "label": "2"}]
+    rows += [{"prompt": f"{i}+0=", "label": str(i)} for i in range(2000, 2010)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.warns(UserWarning, match=r"skipped 2 too long row\(s\) at line\(s\) 1, 2; first: line 1: prompt of "
+                                         r"900007 tokens; at most 1024 \(--rollout-max-prompt-len\)"):
+        trainer = GRPOTrainer(tiny(tmp_path / "a", num_rollout=1, prompt_data=str(data)))
+    trainer.release()
+    assert sorted(s.index for s in trainer.samples) == list(range(3, 13))
+    with pytest.warns(UserWarning, match=r"skipped 1 too long row\(s\) at line\(s\) 1; first: line 1: prompt of "
+                                         r"900007 tokens; at most \d+ \(by a lower-bound estimate, 8 samples"):
+        trainer = GRPOTrainer(tiny(tmp_path / "b", num_rollout=1, prompt_data=str(data), rollout_max_prompt_len=10**8))
+    trainer.release()
+    with pytest.raises(ValueError, match=r"long.jsonl: line 1: prompt of 900007 tokens; at most 1024"):
+        GRPOTrainer(tiny(tmp_path / "c", num_rollout=1, prompt_data=str(data), on_bad_row="raise"))

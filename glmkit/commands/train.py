@@ -130,6 +130,9 @@ def add_commands(sub) -> None:
         p.add_argument("--n-samples-per-prompt", type=_positive, default=8)
         p.add_argument("--global-batch-size", type=_positive, help="samples per optimizer step (recipe 64; tiny 32)")
         p.add_argument("--rollout-max-response-len", type=_integer)
+        p.add_argument("--rollout-max-prompt-len", type=_integer,
+                       help="leave prompts of more tokens out of the data, named in a warning (the framework's "
+                            "option; tiny preset: 1024)")
         p.add_argument("--rollout-temperature", type=_finite, default=1.0)
         p.add_argument("--rollout-top-p", type=_finite, default=1.0)
         p.add_argument("--lr", type=_finite, help="Adam learning rate (recipe: 1e-6; the tiny preset: 4e-4)")

@@ -148,9 +148,25 @@ def parse_row(line: str, number: int, input_key: str, label_key: str, tokenizer,
     return Sample(_prompt_ids(text, tokenizer, apply_chat_template), text, label, number, metadata)
 
 
-def _report(path, problems: list[Problem]) -> None:
+def drop_longer(samples: list[Sample], limit: int, why: str, path, on_error: str = "skip"):
+    """Samples whose prompts hold at most `limit` tokens, and a Problem for each longer one (`why`
+    says what the limit is); with on_error="raise", ValueError at the first."""
+    kept, problems = [], []
+    for s in samples:
+        if len(s.prompt_ids) <= limit:
+            kept.append(s)
+            continue
+        problems.append(Problem(s.index, f"prompt of {len(s.prompt_ids)} tokens; at most {limit} ({why})"))
+    if problems and on_error == "raise":
+        raise ValueError(f"{path}: {min(problems, key=lambda p: p.line)}")
+    if problems:
+        _report(path, sorted(problems, key=lambda p: p.line), "too long")
+    return kept, problems
+
+
+def _report(path, problems: list[Problem], what: str = "malformed") -> None:
     shown = ", ".join(str(p.line) for p in problems[:10]) + (", ..." if len(problems) > 10 else "")
-    warnings.warn(f"{path}: skipped {len(problems)} malformed row(s) at line(s) {shown}; first: {problems[0]}",
+    warnings.warn(f"{path}: skipped {len(problems)} {what} row(s) at line(s) {shown}; first: {problems[0]}",
                   stacklevel=4)  # the caller of load_prompts
 
 

@@ -57,7 +57,7 @@ PRESETS = {
     # updates). Seed 0, 2 CPU cores: held-out 0.04 -> 0.79, training prompts (each seen once) 0.32 -> 0.74.
     "tiny": dict(checkpoint=str(ASSETS / "tiny_start"), prompt_data=str(ASSETS / "copy" / "train.jsonl"),
                  tokenizer=str(ASSETS / "tiny_tokenizer"), lr=4e-4, rollout_max_response_len=12,
-                 rollout_batch_size=16, global_batch_size=32,
+                 rollout_max_prompt_len=1024, rollout_batch_size=16, global_batch_size=32,
                  eval_prompt_data=str(ASSETS / "copy" / "test.jsonl"), eval_interval=5, **LAUNCHER_OPTIMIZER),
     "GLM-5.3-Flash-4layer": dict(prompt_data="/root/datasets/dapo-math-17k/dapo-math-17k.jsonl", lr=1e-6,
                                  rollout_max_response_len=4096, rollout_batch_size=8, global_batch_size=64,
@@ -86,6 +86,7 @@ class TrainConfig:
     n_samples_per_prompt: int = 8
     global_batch_size: int | None = None    # recipe: 64
     rollout_max_response_len: int | None = None
+    rollout_max_prompt_len: int | None = None  # the framework's: longer prompts are left out of the data
     rollout_temperature: float = 1.0
     rollout_top_p: float = 1.0
     lr: float | None = None
@@ -178,6 +179,8 @@ class TrainConfig:
                      "max_nonfinite_steps", "rollout_max_response_len"):
             if getattr(cfg, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}")
+        if cfg.rollout_max_prompt_len is not None and cfg.rollout_max_prompt_len < 1:
+            raise ValueError(f"--rollout-max-prompt-len must be >= 1, got {cfg.rollout_max_prompt_len}")
         if cfg.rollout_max_response_len > MAX_RESPONSE_LEN:
             raise ValueError(f"--rollout-max-response-len {cfg.rollout_max_response_len}: at most {MAX_RESPONSE_LEN} "
                              f"tokens (the decode caches are sized by it)")
@@ -612,7 +615,7 @@ class GRPOTrainer:
         cfg.data_parallel is set): this process is one trainer rank; rank 0 alone rolls out, writes
         metrics and checkpoints."""
         from glmkit.checkpoint import open_checkpoint
-        from glmkit.rl.data import load_prompts
+        from glmkit.rl.data import drop_longer, load_prompts
         from glmkit.tokenizer import load_tokenizer
 
         self.cfg = cfg = cfg.resolved()
@@ -635,6 +638,9 @@ class GRPOTrainer:
         self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.checkpoint)
         self.samples, self.problems = load_prompts(cfg.prompt_data, cfg.input_key, cfg.label_key, self.tokenizer,
                                                    cfg.apply_chat_template, cfg.seed, cfg.on_bad_row)
+        longest = _longest_prompt(cfg)  # a row no step could hold is skipped (or raised) by line, not an OOM later
+        self.samples, too_long = drop_longer(self.samples, longest[0], longest[1], cfg.prompt_data, cfg.on_bad_row)
+        self.problems += too_long
         if not self.samples:
             first = f" ({len(self.problems)} malformed rows; first: {self.problems[0]})" if self.problems else ""
             raise ValueError(f"--prompt-data {cfg.prompt_data}: no usable prompts{first}")
@@ -1174,6 +1180,33 @@ class GRPOTrainer:
             append_row(stream, json.dumps(row, allow_nan=False))  # a crash loses nothing already measured
             if on_metrics is not None:
                 on_metrics(row)
+
+
+def _longest_prompt(cfg) -> tuple[int, str]:
+    """The most prompt tokens a row may hold, and why: --rollout-max-prompt-len when given (the
+    framework's filter), the model's context less the response, and a lower-bound memory estimate
+    (glmkit.bounds per token, plus one fp32 score matrix of the sequence) for its n samples against
+    the memory free now; the tightest of them."""
+    import math
+
+    from glmkit.bounds import bytes_per_token, free_bytes
+    from glmkit.checkpoint import open_checkpoint
+
+    config = open_checkpoint(cfg.checkpoint).config
+    response = cfg.rollout_max_response_len
+    bounds = [(int(config.max_position_embeddings) - response,
+               f"the model's context of {config.max_position_embeddings} tokens less --rollout-max-response-len "
+               f"{response}")]
+    if cfg.rollout_max_prompt_len is not None:
+        bounds.append((cfg.rollout_max_prompt_len, "--rollout-max-prompt-len"))
+    free = free_bytes(cfg.device)
+    linear = cfg.n_samples_per_prompt * bytes_per_token(config)  # n x bytes per token, plus 4 T^2 <= free
+    longest = int((-linear + math.sqrt(linear * linear + 16 * free)) / 8)
+    bounds.append((longest - response, f"by a lower-bound estimate, {cfg.n_samples_per_prompt} samples of it with "
+                                       f"responses of up to {response} tokens need more than the {free / 2**30:.3g} "
+                                       f"GiB free on {cfg.device}"))
+    limit, why = min(bounds, key=lambda b: b[0])
+    return max(0, limit), why
 
 
 def append_row(stream, row: str) -> None:
