@@ -493,3 +493,29 @@ def test_a_config_no_model_can_run_is_refused_by_name(tmp_path, field, value, re
     (raw["text_config"] if "text_config" in raw else raw)[field] = value
     with pytest.raises(ValueError, match=re.escape(reason)):
         text_config_from_json(raw, tmp_path / "config.json")
+
+
+@pytest.mark.parametrize("where, key, value, needle", [
+    ("text", "hc_eps", float("nan"), "hc_eps must be a finite number within float32's range, got nan"),
+    ("text", "linear_lower_bound", "-5", "linear_lower_bound must be a finite number within float32's range, got '-5'"),
+    ("text", "routed_scaling_factor", 1e308, "routed_scaling_factor must be a finite number within float32's range"),
+    ("text", "tie_word_embeddings", "yes", "tie_word_embeddings must be true or false, got 'yes'"),
+    ("top", "tie_word_embeddings", 1, "tie_word_embeddings must be true or false, got 1"),
+    ("text", "hidden_act", "gelu", "hidden_act 'gelu'; glmkit's experts compute silu (SwiGLU)"),
+])
+def test_config_values_no_forward_can_use_are_refused_at_load(tmp_path, where, key, value, needle):
+    """Hostile pass 9: configs that `ckpt info` accepted and `check` then crashed on (exit 3) or served
+    as NaN: a NaN epsilon, a scaling factor past float32, a text where a bool goes, an activation
+    glmkit's experts do not compute. Each is refused when the checkpoint is opened, naming the field."""
+    import json
+    import shutil
+
+    from glmkit.checkpoint import CheckpointError, open_checkpoint
+
+    folder = tmp_path / "ck"
+    shutil.copytree(Path(__file__).resolve().parents[1] / "glmkit" / "assets" / "tiny_start", folder)
+    config = json.loads((folder / "config.json").read_text())
+    (config["text_config"] if where == "text" else config)[key] = value
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=re.escape(needle)):
+        open_checkpoint(folder)

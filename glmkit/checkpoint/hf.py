@@ -111,6 +111,8 @@ def text_config_from_json(raw: dict, file: Path) -> Glm5NextTextConfig:
     if "text_config" in raw and not isinstance(raw["text_config"], dict):
         raise CheckpointError(f"{file}: text_config must be a JSON object, found {type(raw['text_config']).__name__}")
     if isinstance(raw.get("text_config"), dict):
+        _check_types(raw["text_config"], file)  # what the reference reads too, before the top-level flag
+        _check_types({k: v for k, v in raw.items() if k != "text_config"}, file)
         fields = dict(raw["text_config"])
         # transformers ties lm_head from the top-level flag of the composite config.
         if "tie_word_embeddings" in raw:
@@ -118,12 +120,43 @@ def text_config_from_json(raw: dict, file: Path) -> Glm5NextTextConfig:
     else:
         fields = {k: v for k, v in raw.items() if k not in _COMPOSITE_ONLY_KEYS}
     fields.pop("model_type", None)
+    _check_types(fields, file)
     try:
         config = Glm5NextTextConfig.from_dict(fields)
     except Exception as e:  # strict-dataclass and architecture validation errors
         raise CheckpointError(f"{file}: invalid glm5_next text config: {e}") from e
     _check_sizes(config, file)
     return config
+
+
+# The activations glmkit's experts compute (SwiGLU); the reference's config may name others, which
+# would then compute something else than glmkit does.
+HIDDEN_ACTS = ("silu",)
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def _check_types(fields: dict, file: Path) -> None:
+    """Each field whose default is a bool, a number or a text given as one (a strict reference
+    config raises deep inside a run otherwise), and each number finite and within float32, which the
+    model computes in (a NaN hc_eps or a routed_scaling_factor of 1e308 turns every output to NaN)."""
+    import math
+
+    defaults = Glm5NextTextConfig()
+    for name, value in fields.items():
+        default = getattr(defaults, name, None)
+        if name.startswith("_") or default is None:
+            continue
+        if isinstance(default, bool):
+            if not isinstance(value, bool):
+                raise CheckpointError(f"{file}: {name} must be true or false, got {value!r}")
+        elif isinstance(default, float):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or abs(value) > FLOAT32_MAX:
+                raise CheckpointError(f"{file}: {name} must be a finite number within float32's range, got {value!r}")
+    act = fields.get("hidden_act", "silu")
+    if act not in HIDDEN_ACTS:
+        raise CheckpointError(f"{file}: hidden_act {str(act)[:60]!r}; glmkit's experts compute "
+                              f"{', '.join(HIDDEN_ACTS)} (SwiGLU)")
 
 
 def _check_sizes(config, file: Path) -> None:
