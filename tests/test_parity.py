@@ -235,3 +235,30 @@ def test_sites_not_compared_are_said_not_passed_silently():
     assert "only trainer dump has 1/mlp_out: not compared" in result.warnings
     assert ("layer 1 streams_after_ffn: shapes [6, 2, 8] vs [6, 8, 8], not compared (a dump's dims annotation "
             "that does not match the model?)") in result.warnings
+
+
+def test_capture_sites_of_odd_dtypes_and_bad_prompt_lengths_are_refused_by_name(tmp_path):
+    """Hostile pass 9: a site stored as float8 was exit 3 ('isinf not implemented') and a manifest's
+    prompt_lengths as an object was a KeyError; both are named when the capture is read."""
+    import json
+
+    from glmkit.parity.dump import Capture, load_capture, save_capture
+
+    ids = torch.tensor([5, 6, 7, 8, 9])
+    cu = torch.tensor([0, 3, 5])
+    cap = Capture(ids, cu, tensors={(0, "attn_out"): torch.randn(5, 4).to(torch.float8_e4m3fn)},
+                  manifest={"path": "train"})
+    folder = save_capture(cap, tmp_path / "f8")
+    with pytest.raises(ValueError, match=r"tensor 'L000/attn_out' is float8_e4m3fn; a capture's sites are float64, "
+                                         r"float32, bfloat16 or float16"):
+        load_capture(folder)
+    for bad in ({"a": 1}, [3], [3, 9], [0, 2], [True, 1]):
+        cap = Capture(ids, cu, tensors={(0, "attn_out"): torch.randn(5, 4)}, manifest={"path": "train",
+                                                                                      "prompt_lengths": bad})
+        folder = save_capture(cap, tmp_path / f"p{len(list(tmp_path.iterdir()))}")
+        with pytest.raises(ValueError, match=r"manifest.json: prompt_lengths must list one length in 1..len\(sequence\) "
+                                             r"for each of the 2 sequences"):
+            load_capture(folder)
+        json.loads((folder / "manifest.json").read_text())  # the file itself is fine JSON
+    good = Capture(ids, cu, tensors={(0, "attn_out"): torch.randn(5, 4)}, manifest={"path": "t", "prompt_lengths": [3, 1]})
+    assert load_capture(save_capture(good, tmp_path / "good")).manifest["prompt_lengths"] == [3, 1]

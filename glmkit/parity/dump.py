@@ -149,6 +149,12 @@ def load_capture(path: str | os.PathLike) -> Capture:
             raise ValueError(f"{tensor_file}: tensor 'input/ids': expected 1-D token ids, got {ids.dtype} "
                              f"{list(ids.shape)}")
         cu = check_cu_seqlens(f.get_tensor("input/cu_seqlens"), ids.numel(), f"{tensor_file}: tensor 'input/cu_seqlens'")
+        lengths = (cu[1:] - cu[:-1]).tolist()
+        prompts = manifest.get("prompt_lengths")
+        if prompts is not None and not (isinstance(prompts, list) and len(prompts) == len(lengths) and all(
+                isinstance(p, int) and not isinstance(p, bool) and 0 < p <= n for p, n in zip(prompts, lengths))):
+            raise ValueError(f"{manifest_file}: prompt_lengths must list one length in 1..len(sequence) for each of "
+                             f"the {len(lengths)} sequences, got {str(prompts)[:120]}")
         capture = Capture(ids, cu, manifest=manifest)
         for key in keys:
             if not key.startswith("input/"):
@@ -157,8 +163,16 @@ def load_capture(path: str | os.PathLike) -> Capture:
                 except ValueError as err:
                     raise ValueError(f"{tensor_file}: tensor {key!r} is not named L<layer>/<site> or "
                                      f"final/<site>") from err
-                capture.tensors[site] = f.get_tensor(key)
+                tensor = f.get_tensor(key)
+                if tensor.is_complex() or (tensor.is_floating_point() and tensor.dtype not in SITE_FLOATS):
+                    raise ValueError(f"{tensor_file}: tensor {key!r} is {str(tensor.dtype).removeprefix('torch.')}; "
+                                     f"a capture's sites are float64, float32, bfloat16 or float16 (or integer "
+                                     f"selections)")
+                capture.tensors[site] = tensor
     return capture
+
+
+SITE_FLOATS = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
 
 def read_selections(path, config) -> dict:
