@@ -150,7 +150,7 @@ def test_nonfinite_log_probs_are_shown_as_such_not_as_a_zero_difference(rollout_
 @pytest.mark.parametrize("damage, message", [
     ("lengths", "4 token sequences but 3 log-prob lists"),
     ("nested", "log_probs[0]: expected a flat list"),
-    ("cp", "cp_size '2'; expected a positive integer"),
+    ("cp", "cp_size: '2'; expected a positive integer"),
     ("tokens", "tokens[1]: expected a flat list of token ids"),
 ])
 def test_bad_train_data_is_exit_2_with_the_reason(damage, message, rollout_file, tmp_path, capsys):
@@ -317,3 +317,27 @@ def test_memory_the_machine_cannot_give_is_the_environments_error(capsys):
                 torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 32.00 GiB"), MemoryError()):
         assert _answer_failure("rollout-data", err) == EXIT_ENVIRONMENT
         assert capsys.readouterr().err.startswith("glmkit rollout-data: environment error: out of memory (")
+
+
+@pytest.mark.parametrize("value, message", [
+    (np.array([3, 4]), "response_length: a ndarray of shape [2] and dtype int64; expected an integer from 1 to"),
+    (torch.tensor([3, 4]), "response_length: a Tensor of shape [2] and dtype int64; expected an integer from 1 to"),
+    (torch.tensor(2.7), "response_length: a Tensor of shape [] and dtype float32; expected an integer from 1 to"),
+    (2.7, "response_length: 2.7; expected an integer from 1 to"),
+])
+def test_response_lengths_that_are_not_one_integer_are_named(value, message, rollout_file, tmp_path, capsys):
+    """Hostile pass 9: a numpy array was exit 3 (TypeError), a tensor of several values an unnamed
+    message, and a float tensor 2.7 was read as 2. Each is named with the file, sample and field."""
+    raw = torch.load(rollout_file, weights_only=False)
+    raw["samples"][0]["response_length"] = value
+    path = tmp_path / "odd.pt"
+    torch.save(raw, path)
+    assert main(["rollout-data", str(path), "--checkpoint", str(CKPT)]) == 2
+    err = capsys.readouterr().err
+    assert f"{path}: samples[0].{message}" in err and err.count("\n") == 1, err
+    raw["samples"][0]["response_length"] = np.int64(raw["samples"][1]["response_length"])  # a numpy scalar reads
+    raw["samples"][0]["tokens"] = raw["samples"][1]["tokens"]
+    raw["samples"][0]["rollout_log_probs"] = raw["samples"][1]["rollout_log_probs"]
+    raw["samples"][0]["loss_mask"] = raw["samples"][1].get("loss_mask")
+    torch.save(raw, path)
+    assert load_rollout_data(path).samples[0].response_length == raw["samples"][1]["response_length"]

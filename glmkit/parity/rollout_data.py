@@ -77,6 +77,26 @@ def _int_list(value, where: str) -> list[int]:
     return list(value)
 
 
+def _integer(value, where: str, expected: str):
+    """An integer as the file holds it: a Python int, a numpy integer, or a 0-d integer tensor or
+    array; anything else (a float 2.7, a list, a tensor of several values, a bool) refused by name."""
+    import numpy as np
+
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        kind = value.dtype
+        integral = (not value.is_floating_point() and not value.is_complex() and kind != torch.bool) \
+            if isinstance(value, torch.Tensor) else value.dtype.kind in "iu"
+        if value.ndim != 0 or not integral:
+            raise ValueError(f"{where}: a {type(value).__name__} of shape {list(value.shape)} and dtype "
+                             f"{str(kind).removeprefix('torch.')}; expected {expected}")
+        value = value.item()
+    elif isinstance(value, np.integer):
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{where}: {value!r:.40}; expected {expected}")
+    return value
+
+
 def _floats(value: list, where: str) -> list[float]:
     try:
         return [float(v) for v in value]
@@ -151,9 +171,9 @@ def load_rollout_data(path, vocab_size: int | None = None) -> RolloutData:
                 raise ValueError(f"{where}: no {key!r} (the engine's log-probs are saved only when the rollout "
                                  f"asked for them)" if key == "rollout_log_probs" else f"{where}: no {key!r}")
         tokens = _int_list(s["tokens"], f"{where}.tokens")
-        length = s["response_length"]
-        length = int(length) if hasattr(length, "__index__") and not isinstance(length, bool) else length
-        if not isinstance(length, int) or isinstance(length, bool) or not 0 < length < len(tokens):
+        expected = f"an integer from 1 to {len(tokens) - 1} (the tokens hold prompt + response)"
+        length = _integer(s["response_length"], f"{where}.response_length", expected)
+        if not 0 < length < len(tokens):
             raise ValueError(f"{where}.response_length: {length!r}; expected 1 to {len(tokens) - 1} "
                              f"(the tokens hold prompt + response)")
         if vocab_size is not None and any(not 0 <= t < vocab_size for t in tokens):
@@ -184,10 +204,8 @@ def load_trainer_logprobs(path) -> dict[tuple, list[float]]:
     if not isinstance(data, dict):
         raise ValueError(f"{path}: not the framework's train data: expected a dict with 'rollout_data'")
     cp_size = raw.get("cp_size")
-    cp_size = 1 if cp_size is None else cp_size
-    if hasattr(cp_size, "__index__") and not isinstance(cp_size, (bool, torch.Tensor)):
-        cp_size = int(cp_size)  # a numpy integer, as response_length is read
-    if not isinstance(cp_size, int) or isinstance(cp_size, bool) or cp_size < 1:
+    cp_size = 1 if cp_size is None else _integer(cp_size, f"{path}: cp_size", "a positive integer")
+    if cp_size < 1:
         raise ValueError(f"{path}: cp_size {cp_size!r:.40}; expected a positive integer")
     if cp_size > 1:
         raise ValueError(f"{path}: written with context parallelism (cp_size {cp_size}): each rank holds a "
