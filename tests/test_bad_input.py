@@ -1155,3 +1155,42 @@ def test_a_file_size_limit_names_the_file_and_leaves_nothing(tmp_path):
                          cwd=Path(__file__).resolve().parents[1])
     assert run.stdout.split() == [str(errno.EFBIG), str(target)], run.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_tampered_optimizer_state_is_named_before_resume_loads_it(tmp_path):
+    """Hostile pass 9: param_groups of another optimizer were torch's ValueError (exit 3), a moment of
+    the wrong shape failed only after a whole rollout, a key past the parameters was a KeyError and a
+    key without a dot an unnamed unpacking error. Each is named with its file before anything loads."""
+    from safetensors.torch import load_file, save_file
+
+    from glmkit.checkpoint import synth_checkpoint
+    from glmkit.model import load_model
+    from glmkit.rl.loop import TrainConfig, _read_state, _restore_optimizer, _save_checkpoint, build_optimizer
+
+    ckpt = synth_checkpoint("tiny", 0, tmp_path / "ck", progress=False)
+    cfg = TrainConfig(checkpoint=str(ckpt), prompt_data="p", save=str(tmp_path / "save"),
+                      metrics_out=str(tmp_path / "m.jsonl"), weight_decay=0.1, lr=1e-4, adam_beta1=0.9, adam_beta2=0.98)
+    policy = load_model(ckpt)
+    optimizer = build_optimizer(cfg, policy)
+    sum(p.sum() for p in policy.parameters()).backward()
+    optimizer.step()
+    folder = _save_checkpoint(cfg, 0, policy, optimizer, None)
+    groups = _read_state(folder)["param_groups"]
+    moments = load_file(str(folder / "optimizer.safetensors"))
+
+    def restore(groups=groups, tensors=None):
+        if tensors is not None:
+            save_file(tensors, str(folder / "optimizer.safetensors"))
+        _restore_optimizer(build_optimizer(cfg, load_model(ckpt)), folder, groups)
+
+    restore()  # as saved: loads
+    with pytest.raises(ValueError, match=r"state.json: 1 param_groups; this run's optimizer has 2; --resume cannot"):
+        restore(groups[:1])
+    with pytest.raises(ValueError, match=r"param_groups\[0\].lr is 'fast'; this run's is"):
+        restore([{**groups[0], "lr": "fast"}, groups[1]])
+    wrong = dict(moments, **{"0.exp_avg": torch.zeros(3)})
+    with pytest.raises(ValueError, match=r"optimizer.safetensors: tensor '0.exp_avg' has shape \[3\]; its parameter's"):
+        restore(tensors=wrong)
+    for key in ("999999.exp_avg", "nodot", "0.momentum"):
+        with pytest.raises(ValueError, match=rf"tensor '{key}' is not a moment of this run's optimizer"):
+            restore(tensors=dict(moments, **{key: torch.zeros(1)}))

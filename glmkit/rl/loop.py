@@ -548,12 +548,49 @@ def build_optimizer(cfg: TrainConfig, model) -> torch.optim.Optimizer:
                              eps=cfg.adam_eps)
 
 
+MOMENTS = ("exp_avg", "exp_avg_sq", "step")  # what AdamW keeps per parameter
+
+
 def _restore_optimizer(optimizer, folder: Path, param_groups):
-    tensors = load_file(str(folder / "optimizer.safetensors"))
+    """The optimizer's moments and param groups from a checkpoint, each checked against this run's
+    optimizer before any is loaded: the same groups over the same parameters, settings of the same
+    kinds, and one moment of each parameter's shape per `<index>.<name>` tensor."""
+    file, state_file = folder / "optimizer.safetensors", folder / "state.json"
+    current = optimizer.state_dict()["param_groups"]
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+
+    def refuse(what: str):
+        raise ValueError(f"{what}; --resume cannot continue from it")
+
+    if len(param_groups) != len(current):
+        refuse(f"{state_file}: {len(param_groups)} param_groups; this run's optimizer has {len(current)}")
+    for k, (given, mine) in enumerate(zip(param_groups, current)):
+        if not isinstance(given, dict) or given.get("params") != mine["params"]:
+            refuse(f"{state_file}: param_groups[{k}] does not hold this run's parameters {mine['params'][:4]}...")
+        for name, value in mine.items():
+            got = given.get(name)
+            numbers = (int, float)
+            if isinstance(value, (tuple, list)):
+                ok = isinstance(got, (tuple, list)) and len(got) == len(value) and all(
+                    isinstance(v, numbers) and not isinstance(v, bool) for v in got)
+            elif isinstance(value, bool) or value is None:
+                ok = isinstance(got, bool) or got is None
+            elif isinstance(value, numbers):
+                ok = isinstance(got, numbers) and not isinstance(got, bool) and math.isfinite(got)
+            else:
+                ok = True
+            if not ok:
+                refuse(f"{state_file}: param_groups[{k}].{name} is {got!r:.40}; this run's is {value!r:.40}")
     state = {}
-    for key, value in tensors.items():
-        idx, name = key.split(".", 1)
-        state.setdefault(int(idx), {})[name] = value
+    for key, value in load_file(str(file)).items():
+        index, dot, name = key.partition(".")
+        if not dot or not index.isdigit() or int(index) >= len(params) or name not in MOMENTS:
+            refuse(f"{file}: tensor {key!r} is not a moment of this run's optimizer (<index>.{'/'.join(MOMENTS)} "
+                   f"for {len(params)} parameters)")
+        shape = params[int(index)].shape
+        if name != "step" and value.shape != shape:
+            refuse(f"{file}: tensor {key!r} has shape {list(value.shape)}; its parameter's is {list(shape)}")
+        state.setdefault(int(index), {})[name] = value
     optimizer.load_state_dict({"state": state, "param_groups": param_groups})
 
 
