@@ -318,6 +318,26 @@ def usual_modes(folder: Path) -> None:
             entry.chmod(mode)
 
 
+def _staging_prefix(target: Path) -> str:
+    return f".{target.name}.tmp-{socket.gethostname()}-{os.getpid()}-"
+
+
+def refuse_name_without_room(target: Path, flag: str | None = None) -> None:
+    """Beside an output NAME glmkit makes `.NAME.glmkit-lock` and a staging `.NAME.tmp-HOST-PID-XXXXXXXX`:
+    a NAME the file system takes but those not (a 250-byte name) is refused naming the user's path."""
+    target = Path(target)
+    extra = len(os.fsencode(_staging_prefix(target))) + 8 - len(os.fsencode(target.name))
+    parent = next((p for p in (target.parent, *target.parent.parents) if p.exists()), Path("/"))
+    try:
+        longest = os.pathconf(parent, "PC_NAME_MAX")
+    except (OSError, ValueError, AttributeError):
+        longest = 255
+    if len(os.fsencode(target.name)) + extra > longest:
+        raise ValueError(f"{_prefix(flag, target)}: a name of {len(os.fsencode(target.name))} bytes leaves no room "
+                         f"for the names glmkit writes beside it ({extra} bytes more; the file system allows "
+                         f"{longest}); use a shorter name")
+
+
 def staging_dir(target: Path, what: str) -> Path:
     """A new, marked staging directory beside `target`, after removing stale ones of earlier writes to it."""
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -327,8 +347,9 @@ def staging_dir(target: Path, what: str) -> Path:
                 remove_marker_last(entry)
         except OSError:  # it vanished or cannot be read: not ours to clean
             pass
-    staged = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-{socket.gethostname()}-{os.getpid()}-",
-                                   dir=target.parent))
+    prefix = _staging_prefix(target)
+    refuse_name_without_room(target)
+    staged = Path(tempfile.mkdtemp(prefix=prefix, dir=target.parent))
     staged.chmod(0o777 & ~_umask())  # a usual folder's mode, not mkdtemp's 0700
     mark(staged, what)
     return staged
@@ -422,6 +443,7 @@ class RunLock:
         if mode is not None and not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
             why = not_a_file(self.given) or "is not a regular file"
             raise ValueError(f"{self.flag} {self.given}: {why}; give the path of a regular file or folder")
+        refuse_name_without_room(self.target, self.flag)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         for _ in range(100):
             handle = self._open()

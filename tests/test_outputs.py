@@ -444,3 +444,16 @@ def test_check_never_writes_into_its_checkpoint_and_a_failing_read_names_its_fil
                               "--num-rollout", "1", "--metrics-out", str(tmp_path / "m.jsonl")],
                              capture_output=True, text=True, cwd=ROOT, timeout=300)
         assert run.returncode == 4 and "/proc/self/mem" in run.stderr, run.stderr
+
+
+def test_an_output_name_too_long_for_glmkits_names_beside_it_is_refused_by_the_users_path(tmp_path, capsys):
+    """Hostile pass 9: a 250-byte --out (which the file system takes) was refused naming glmkit's 263-byte
+    lock file. Now the user's path is named with the room it lacks; a 200-byte name works."""
+    from glmkit.cli import main
+
+    long = tmp_path / ("n" * 250)
+    assert main(["ckpt", "synth", "--variant", "tiny", "--out", str(long)]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {long}: a name of 250 bytes leaves no room for the names glmkit writes beside it" in err
+    assert err.count("\n") == 1 and list(tmp_path.iterdir()) == []
+    assert main(["ckpt", "synth", "--variant", "tiny", "--out", str(tmp_path / ("n" * 200))]) == 0
