@@ -364,3 +364,13 @@ def test_builtin_bundle_gpu_fraction_reaches_the_job_and_bad_values_are_refused(
         builtin.main(["--config-json", "{}", "--trainers", "1", "--bundle-gpu", "0.5"])
     with pytest.raises(SystemExit, match=r"--bundle-gpu must be in \(0, 1\], got 2.0"):
         builtin.main(["--config-json", "{}", "--gpus", "--bundle-gpu", "2"])
+
+
+def test_a_run_id_that_leaves_the_save_dir_is_refused(capsys):
+    """Hostile pass 9: `launch --dry-run --run-id ../../x` planned a save folder outside --save-dir."""
+    from glmkit.cli import main
+
+    for run_id in ("../../x", "a/b", ".."):
+        assert main(["launch", "--dry-run", "--run-id", run_id]) == 2
+        err = capsys.readouterr().err
+        assert f"--run-id {run_id!r}: a run id is one folder name under --save-dir" in err and err.count("\n") == 1

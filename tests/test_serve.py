@@ -808,6 +808,9 @@ def test_joins_whose_trainer_never_comes_leave_the_server_serving_and_stoppable(
         port = free_port()  # nobody listens there
         join = {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
                 "backend": "gloo", "timeout_s": 86400}
+        huge = post(server, "/init_weights_update_group", {**join, "world_size": 10 ** 30})  # pass 9: a pybind error
+        assert huge.status_code == 400 and huge.json()["message"] == (
+            "world_size 1000000000000000000000000000000 must be in 2..2147483647 (the trainer and at least this engine)")
 
         def wait_in_group(name):  # until it holds a place (an answer means it was refused: try again)
             while "at once" in requests.post(server.url + "/init_weights_update_group",

@@ -111,6 +111,11 @@ class Launcher:
         defaults it derives (`__post_init__`) filled in."""
         values = {o.field: o.default for o in self.options}
         values.update({k: v for k, v in given.items() if v is not None})
+        run_id = values.get("run_id")
+        if run_id is not None and ("/" in str(run_id) or str(run_id) in ("", ".", "..") or "\0" in str(run_id)):
+            # the launcher saves under {save_dir}/{run_id}: a run id with a '/' or '..' writes elsewhere
+            raise ValueError(f"--run-id {str(run_id)[:80]!r}: a run id is one folder name under --save-dir (no '/', "
+                             f"not '.' or '..')")
         if values.get("hf_checkpoint") is None:
             values["hf_checkpoint"] = f"{values['model_dir'].rstrip('/')}/{values['model_name']}"
         if self.name == "lora":

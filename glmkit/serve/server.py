@@ -79,6 +79,7 @@ MAX_TOP_ENTRIES = 1 << 21  # top_logprobs_num x positions of one request (about 
 MAX_WEIGHT_ELEMENTS = 1 << 24  # /get_weights_by_name: one answer's floats (about 200 MB of JSON)
 HEALTH_TIMEOUT_S = 20.0  # SGLang's default; its environment variable SGLANG_HEALTH_CHECK_TIMEOUT sets it
 GROUP_TIMEOUT_S = 600.0  # rendezvous and transfers of a weights-update group, unless the body says timeout_s
+MAX_WORLD_SIZE = (1 << 31) - 1
 MAX_GROUP_OPERATIONS = 8  # weights-update group joins, transfers and teardowns waiting at once
 MIN_SLOT_TOKENS = 256  # the shortest slot a batch opens (longer ones are powers of two up to --max-context)
 PREFILL_ROWS = 8  # staging rows of a chunked prefill
@@ -1297,6 +1298,9 @@ def build_app(service: EngineService, window_s: float = 0.005, max_body: int = D
         if not 0 < body["master_port"] < 65536 or not 0 < body["timeout_s"] <= 86400:
             return outcome(False, f"master_port {body['master_port']} must be in 1..65535 and timeout_s "
                                   f"{body['timeout_s']} in (0, 86400]")
+        if not 2 <= body["world_size"] <= MAX_WORLD_SIZE:  # torch's process groups count ranks in 32 bits
+            return outcome(False, f"world_size {body['world_size']} must be in 2..{MAX_WORLD_SIZE} (the trainer and "
+                                  f"at least this engine)")
         return await weight_step(group_threads.run, service.join_group, body)  # not the engine's thread
 
     @app.post("/destroy_weights_update_group")
