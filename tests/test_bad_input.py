@@ -975,7 +975,8 @@ def test_config_numbers_every_forward_uses_are_checked_at_load(tiny_ckpt, tmp_pa
     config = json.loads((bad / "config.json").read_text())
     config["text_config"][name] = value
     (bad / "config.json").write_text(json.dumps(config))
-    with pytest.raises(CheckpointError, match=rf"{name} must be a positive finite number, got {value!r}"):
+    with pytest.raises(CheckpointError, match=rf"{name} must be a positive finite number within float32's range, "
+                                              rf"got {value!r}"):
         open_checkpoint(bad)
 
 

@@ -498,7 +498,7 @@ def test_a_config_no_model_can_run_is_refused_by_name(tmp_path, field, value, re
 @pytest.mark.parametrize("where, key, value, needle", [
     ("text", "hc_eps", float("nan"), "hc_eps must be a finite number within float32's range, got nan"),
     ("text", "linear_lower_bound", "-5", "linear_lower_bound must be a finite number within float32's range, got '-5'"),
-    ("text", "routed_scaling_factor", 1e308, "routed_scaling_factor must be a finite number within float32's range"),
+    ("text", "routed_scaling_factor", 1e308, "routed_scaling_factor must be a positive finite number within float32's range"),
     ("text", "tie_word_embeddings", "yes", "tie_word_embeddings must be true or false, got 'yes'"),
     ("top", "tie_word_embeddings", 1, "tie_word_embeddings must be true or false, got 1"),
     ("text", "hidden_act", "gelu", "hidden_act 'gelu'; glmkit's experts compute silu (SwiGLU)"),

@@ -133,6 +133,8 @@ def text_config_from_json(raw: dict, file: Path) -> Glm5NextTextConfig:
 # would then compute something else than glmkit does.
 HIDDEN_ACTS = ("silu",)
 FLOAT32_MAX = 3.4028234663852886e38
+POSITIVE_NUMBERS = ("rms_norm_eps", "routed_scaling_factor", "max_position_embeddings", "rope_theta")
+OWN_RULES = ("swiglu_limit",)  # checked in _check_sizes (null allowed)
 
 
 def _check_types(fields: dict, file: Path) -> None:
@@ -144,15 +146,16 @@ def _check_types(fields: dict, file: Path) -> None:
     defaults = Glm5NextTextConfig()
     for name, value in fields.items():
         default = getattr(defaults, name, None)
-        if name.startswith("_") or default is None:
+        if name.startswith("_") or default is None or name in OWN_RULES:
             continue
         if isinstance(default, bool):
             if not isinstance(value, bool):
                 raise CheckpointError(f"{file}: {name} must be true or false, got {value!r}")
         elif isinstance(default, float):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-                    or abs(value) > FLOAT32_MAX:
-                raise CheckpointError(f"{file}: {name} must be a finite number within float32's range, got {value!r}")
+                    or abs(value) > FLOAT32_MAX or (name in POSITIVE_NUMBERS and value <= 0):
+                kind = "positive finite number" if name in POSITIVE_NUMBERS else "finite number"
+                raise CheckpointError(f"{file}: {name} must be a {kind} within float32's range, got {value!r}")
     act = fields.get("hidden_act", "silu")
     if act not in HIDDEN_ACTS:
         raise CheckpointError(f"{file}: hidden_act {str(act)[:60]!r}; glmkit's experts compute "
@@ -175,12 +178,14 @@ def _check_sizes(config, file: Path) -> None:
     import math
 
     # numbers every forward uses: a NaN or a negative one fails only later, deep in a run
-    for name in ("rms_norm_eps", "routed_scaling_factor", "max_position_embeddings", "rope_theta"):
+    for name in POSITIVE_NUMBERS:
         value = getattr(config, name, None)
         if value is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-            raise CheckpointError(f"{file}: {name} must be a positive finite number, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0 \
+                or (isinstance(value, float) and value > FLOAT32_MAX):
+            raise CheckpointError(f"{file}: {name} must be a positive finite number within float32's range, "
+                                  f"got {value!r}")
     # counts that size every forward's work or memory: beyond these nothing runs in a lifetime (hostile
     # pass 8: hc_sinkhorn_iters 10**9 hung every forward; index_topk 10**9 asked for 56 GB)
     bounds = {"hc_sinkhorn_iters": (1, MAX_SINKHORN_ITERS),
@@ -197,7 +202,7 @@ def _check_sizes(config, file: Path) -> None:
                               f"(or null), got {pad!r}")
     limit = getattr(config, "swiglu_limit", None)
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float))
-                              or not math.isfinite(limit) or limit <= 0):
+                              or not math.isfinite(limit) or limit <= 0 or limit > FLOAT32_MAX):
         raise CheckpointError(f"{file}: swiglu_limit must be a positive finite number (or null), got {limit!r}")
 
 
