@@ -61,6 +61,9 @@ def test_two_launch_notebooks_side_by_side_on_a_local_ray_cluster_both_pass(tmp_
         assert len(re.findall(r"cluster: \d+ of \d+ node\(s\) alive", text)) == 1
         assert len(re.findall(r"preflight: \d+ passed, \d+ failed", text)) == 1
         assert "verdict: PASS" in text
+        # the summary cell says what ran and where (the browser check found it only in verdict.json)
+        assert "ran: builtin: glmkit&#x27;s GRPO, preset tiny, 3 rollouts, on a Ray head this notebook started" in text \
+            or "ran: builtin: glmkit's GRPO, preset tiny, 3 rollouts, on a Ray head this notebook started" in text
         assert_offline(text)
 
 

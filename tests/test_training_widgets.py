@@ -365,3 +365,22 @@ def test_run_verdict_judges_the_rise_from_eight_rollouts():
     assert rising["verdict"] == "pass" and rising["reasons"] == []
     flat = run_verdict(run_rows([0.5] * 3 + [0.1] * 5), "tiny")
     assert flat["verdict"] == "fail" and flat["reasons"][0].startswith("raw reward did not rise")
+
+
+def test_rows_polled_in_batches_get_an_eta(monkeypatch):
+    """Browser check (notebook 03): a job's rows arrive in batches through `extend`, which never started
+    the ETA's clock, so the line showed no ETA. The ETA now counts from the first batch, over the
+    rollouts done since it (none yet: no ETA rather than a guess)."""
+    from widgets import training
+
+    clock = [50.0]
+    monkeypatch.setattr(training.time, "perf_counter", lambda: clock[0])
+    view = LiveMetrics(total_rollouts=6)
+    view.extend([synthetic(0)])
+    assert "ETA" not in view.progress()  # one batch: no pace measured yet
+    clock[0] += 20.0
+    view.extend([synthetic(1), synthetic(2)])
+    assert view.progress() == "rollout 3/6 · ETA 0:30"  # 2 rollouts in 20 s, 3 left
+    clock[0] += 10.0
+    view.extend([synthetic(k) for k in (3, 4, 5)])
+    assert view.progress() == "rollout 6/6 · ETA 0:00"

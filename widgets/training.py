@@ -131,6 +131,7 @@ class LiveMetrics:
         self.output = W.Output()
         self.widget = W.VBox([self.status, self.output])
         self._first_row_at = self._drawn_at = None
+        self._done_at_first = 0
         self.draw_seconds, self.draws, self._pending = 0.0, 0, False
         self._live = None   # (figure, each axis's kind, whether it had rows) reused between redraws
         self.redraw()
@@ -149,9 +150,8 @@ class LiveMetrics:
         """Append one metric row (a `GRPOTrainer.run(on_metrics=...)` callback): the status line now, the
         figure when a redraw is due (see the class's cost rule)."""
         now = time.perf_counter()
-        if self._first_row_at is None:
-            self._first_row_at = now
         self.history.append(dict(metrics))
+        self._start_clock(now)
         if self._redraw_due(now):
             self.redraw()
         else:
@@ -159,9 +159,19 @@ class LiveMetrics:
             self._set_status()
 
     def extend(self, rows):
-        """Append many rollouts and redraw once."""
-        self.history.extend(dict(r) for r in rows)
+        """Append many rollouts and redraw once (a job's rows polled in batches: the ETA counts from
+        the first batch)."""
+        rows = [dict(r) for r in rows]
+        self.history.extend(rows)
+        if rows:
+            self._start_clock(time.perf_counter())
         self.redraw()
+
+    def _start_clock(self, now: float):
+        """The ETA's origin: when the first rows arrived, and the rollouts they brought (the pace counts
+        the rollouts after them)."""
+        if self._first_row_at is None:
+            self._first_row_at, self._done_at_first = now, self.rollouts
 
     def finish(self):
         """Draw what is not drawn yet (the end of a run)."""
@@ -223,9 +233,10 @@ class LiveMetrics:
         step = next((h["train/step"] for h in reversed(self.history) if h.get("train/step") is not None), None)
         if step is not None:
             parts.append(f"optimizer step {step}")
-        if self.total_rollouts and done and self._first_row_at is not None:
+        progressed = done - self._done_at_first
+        if self.total_rollouts and self._first_row_at is not None and (progressed > 0 or done >= self.total_rollouts):
             elapsed = time.perf_counter() - self._first_row_at
-            left = max(0, self.total_rollouts - done) * elapsed / done
+            left = max(0, self.total_rollouts - done) * elapsed / max(progressed, 1)
             parts.append(f"ETA {int(left // 60)}:{int(left % 60):02d}")
         rate = next((h["perf/tokens_per_s"] for h in reversed(self.history) if h.get("perf/tokens_per_s")), None)
         if rate is not None:
