@@ -157,10 +157,11 @@ def key_numbers(data: dict) -> list[tuple[str, str]]:
                       f"yes ({', '.join(f'{k}: {v}' for k, v in replay.items())})" if isinstance(replay, dict) else "yes"))
     if "raw_reward_start" in data:  # notebook 02 (a GRPO run's verdict)
         found.append(("raw reward (training prompts)", f"{_number(data.get('raw_reward_start'))} -> "
-                                                        f"{_number(data.get('raw_reward_end'))}"))
+                                                        f"{_number(data.get('raw_reward_end'))} (mean of the first 3 "
+                                                        f"rollouts -> of the last 5)"))
         held = next((o for o in data.get("observations") or [] if o.get("metric") == "eval/raw_reward"), None)
-        found.append(("raw reward (held-out prompts)", f"{_number(held['first'])} -> {_number(held['last'])}"
-                      if held else "not evaluated"))
+        found.append(("raw reward (held-out prompts)", f"{_number(held['first'])} -> {_number(held['last'])} (first "
+                                                       f"evaluation -> last)" if held else "not evaluated"))
         for row in data.get("health") or []:
             if row.get("metric") in ("train/train_rollout_logprob_abs_diff", "train/ppo_kl", "train/grad_norm"):
                 found.append((row["metric"], str(row.get("observed") or "—")))

@@ -261,8 +261,9 @@ def test_key_numbers_of_a_grpo_run_and_a_launch():
             "observations": [{"metric": "eval/raw_reward", "first": 0.07, "last": 0.12}],
             "health": [{"metric": "train/ppo_kl", "observed": "1e-4 - 3e-4"},
                        {"metric": "rollout/raw_reward", "observed": "x"}]}
-    assert key_numbers(grpo) == [("raw reward (training prompts)", "0.41 -> 0.88"),
-                                 ("raw reward (held-out prompts)", "0.07 -> 0.12"),
+    assert key_numbers(grpo) == [("raw reward (training prompts)", "0.41 -> 0.88 (mean of the first 3 rollouts -> "
+                                                                    "of the last 5)"),
+                                 ("raw reward (held-out prompts)", "0.07 -> 0.12 (first evaluation -> last)"),
                                  ("train/ppo_kl", "1e-4 - 3e-4")]
     launch = {"backend": "miles", "shape": {"nodes": 16, "gpus_per_node": 4}, "job": None, "metric_rows": 0}
     assert key_numbers(launch) == [("shape", "nodes 16, gpus_per_node 4"), ("job", "none (not submitted)"),
