@@ -3,6 +3,8 @@ with the numbers, instead of running the machine out of memory or hanging."""
 
 from __future__ import annotations
 
+FLOAT32_MAX = 3.4028234663852886e38  # the largest float32: settings the model computes with must stay within it
+
 
 def free_bytes(device: str) -> int:
     """Memory a run may still take on `device`: free GPU memory, or available host memory."""

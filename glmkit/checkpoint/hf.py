@@ -39,6 +39,7 @@ from glmkit.checkpoint.names import (
     layer_of,
     layer_prefix,
 )
+from glmkit.bounds import FLOAT32_MAX
 from glmkit.config import full_config
 from glmkit.inputs import not_a_file
 from glmkit.outputs import check_dir_out, move_into_place, staging_dir
@@ -132,7 +133,6 @@ def text_config_from_json(raw: dict, file: Path) -> Glm5NextTextConfig:
 # The activations glmkit's experts compute (SwiGLU); the reference's config may name others, which
 # would then compute something else than glmkit does.
 HIDDEN_ACTS = ("silu",)
-FLOAT32_MAX = 3.4028234663852886e38
 POSITIVE_NUMBERS = ("rms_norm_eps", "routed_scaling_factor", "max_position_embeddings", "rope_theta")
 OWN_RULES = ("swiglu_limit",)  # checked in _check_sizes (null allowed)
 

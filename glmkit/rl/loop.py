@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
+from glmkit.bounds import FLOAT32_MAX
 from glmkit.inputs import not_a_file, read_marker
 from glmkit.model.rollout import GREEDY_BELOW, RolloutSide
 from glmkit.outputs import (MARKER, RunLock, check_dir_out, check_file_out, is_glmkit_file, is_glmkit_output, mark_file,
@@ -35,7 +36,6 @@ ASSETS = Path(__file__).resolve().parents[1] / "assets"
 
 MAX_RESPONSE_LEN = 1 << 20  # tokens one response may reach (the recipe's runs use 4096 - 65536)
 MAX_EVAL_SAMPLES = 1024  # samples per held-out prompt: pass@k past k = 1024 is not a smoke run's question
-FLOAT32_MAX = torch.finfo(torch.float32).max
 EVAL_SEED_OFFSET = 1 << 40  # evaluation samples with seeds no training rollout uses
 # A sample whose grader raised (the framework's run would stop) counts as a miss: its lowest score.
 MISS_SCORE = {"deepscaler": 0.0, "math": 0.0, "dapo": -1.0}
@@ -675,7 +675,9 @@ class GRPOTrainer:
         self.tokenizer = load_tokenizer(cfg.tokenizer or cfg.checkpoint)
         self.samples, self.problems = load_prompts(cfg.prompt_data, cfg.input_key, cfg.label_key, self.tokenizer,
                                                    cfg.apply_chat_template, cfg.seed, cfg.on_bad_row)
-        longest = _longest_prompt(cfg)  # a row no step could hold is skipped (or raised) by line, not an OOM later
+        # names, shapes and dtypes from the headers, before the outputs are claimed
+        config = open_checkpoint(cfg.checkpoint).config
+        longest = _longest_prompt(cfg, config)  # a row no step could hold is skipped (or raised) by line, not an OOM later
         self.samples, too_long = drop_longer(self.samples, longest[0], longest[1], cfg.prompt_data, cfg.on_bad_row)
         self.problems += too_long
         if not self.samples:
@@ -695,7 +697,6 @@ class GRPOTrainer:
                                  f"training prompts; a held-out evaluation needs prompts the run never trains on")
             if not self.eval_samples:
                 raise ValueError(f"--eval-prompt-data {cfg.eval_prompt_data}: no usable prompts")
-        open_checkpoint(cfg.checkpoint)  # names, shapes and dtypes from the headers, before the outputs are claimed
         # every input checked first (--overwrite removes an earlier run only once this one can start),
         # before anything slow: a refused run fails at once
         # the run's outputs are locked from here to the end of run(): a second writer is refused
@@ -1219,7 +1220,7 @@ class GRPOTrainer:
                 on_metrics(row)
 
 
-def _longest_prompt(cfg) -> tuple[int, str]:
+def _longest_prompt(cfg, config) -> tuple[int, str]:
     """The most prompt tokens a row may hold, and why: --rollout-max-prompt-len when given (the
     framework's filter), the model's context less the response, and a lower-bound memory estimate
     (glmkit.bounds per token, plus one fp32 score matrix of the sequence) for its n samples against
@@ -1227,9 +1228,7 @@ def _longest_prompt(cfg) -> tuple[int, str]:
     import math
 
     from glmkit.bounds import bytes_per_token, free_bytes
-    from glmkit.checkpoint import open_checkpoint
 
-    config = open_checkpoint(cfg.checkpoint).config
     response = cfg.rollout_max_response_len
     bounds = [(int(config.max_position_embeddings) - response,
                f"the model's context of {config.max_position_embeddings} tokens less --rollout-max-response-len "

@@ -20,10 +20,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from glmkit.bounds import FLOAT32_MAX
+
 ATTN_KDA = ("q_proj", "k_proj", "v_proj", "o_proj", "b_proj", "f_a_proj", "f_b_proj", "g_a_proj", "g_b_proj")
 ATTN_DSA = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
 MLP_PROJ = ("gate_proj", "up_proj", "down_proj")
-FLOAT32_MAX = torch.finfo(torch.float32).max
 DEFAULT_EXCLUDE = "*.mlp.experts.*,*.self_attn.kv_b_proj"
 
 # Why a projection can never carry an adapter (checked in this order).
