@@ -139,6 +139,7 @@ def test_the_kernels_command_answers_which_kernel_runs_and_why():
     assert out.returncode == 0, out.stderr
     assert "kernels for tiny on cpu float32:" in out.stdout
     assert "dsa      auto      -> absorbed  auto on cpu float32; passed over tilelang" in out.stdout
+    assert out.stdout.splitlines()[-1].startswith("compile cache: ") and "/glmkit/compile/torch-" in out.stdout
     refused = subprocess.run([sys.executable, "-m", "glmkit", "kernels", "--moe-backend", "grouped"],
                              capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert refused.returncode == 2

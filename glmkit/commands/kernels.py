@@ -24,6 +24,7 @@ def cmd_kernels(args) -> int:
     print(f"  {'operator':8s} {'asked':9s}    {'runs':9s} why")
     for line in plan.explain():
         print(f"  {line}")
+    print(f"compile cache: {plan.compile_cache or 'off (GLMKIT_COMPILE_CACHE); each tool uses its own default'}")
     return 0
 
 

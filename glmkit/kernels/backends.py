@@ -18,6 +18,7 @@ from dataclasses import dataclass, fields, replace
 
 from glmkit.kernels import dsa, fuse, indexer, kda, mhc, moe
 from glmkit.kernels.dsa import BACKENDS as DSA_BACKENDS, get_backend as dsa_backend
+from glmkit.kernels.compile_cache import use_compile_cache
 from glmkit.kernels.fuse import FUSE_MODES
 from glmkit.kernels.kda import BACKENDS as KDA_BACKENDS, get_backend as kda_backend
 from glmkit.kernels.registry import KernelPlan, Target
@@ -103,9 +104,11 @@ class Backends:
     def plan(self, target: Target) -> KernelPlan:
         """Every operator's backend on `target` (its device, dtype and shape facts), with the reason:
         the one place that answers which kernel runs and why. A named backend that cannot run there
-        raises ValueError with the reason."""
+        raises ValueError with the reason. Points the compile caches at glmkit's persistent folder
+        first (kernels.compile_cache), before any backend's module is imported."""
+        cache = use_compile_cache()
         fused = fuse.REGISTRY.resolve(self.fuse, target)
         choices = (kda.REGISTRY.resolve(self.kda, target), dsa.REGISTRY.resolve(self.dsa, target),
                    indexer.REGISTRY.resolve(self.indexer, target), moe.REGISTRY.resolve(self.moe, target), fused,
                    mhc.REGISTRY.resolve("auto", replace(target, fused=fused.name == "on")))
-        return KernelPlan(target, choices)
+        return KernelPlan(target, choices, None if cache is None else str(cache))

@@ -194,6 +194,7 @@ class KernelPlan:
 
     target: Target
     choices: tuple[Choice, ...] = field(default=())
+    compile_cache: str | None = None              # where compiled kernels persist (kernels.compile_cache)
 
     def __getitem__(self, op: str) -> Choice:
         return next(c for c in self.choices if c.op == op)
