@@ -8,6 +8,7 @@ sys.modules.setdefault("fla", None)
 import http.server
 import json
 import threading
+import time
 
 import pytest
 import requests
@@ -177,3 +178,106 @@ def test_an_engine_that_answers_for_nothing_or_is_gone_is_exit_2(capsys):
     assert "connection failed" in capsys.readouterr().err
     assert main(["ckpt", "verify-engine", "--hf", str(CKPT), "--url", "localhost:1"]) == 2
     assert "must start with http://" in capsys.readouterr().err
+
+
+class _HostileHandler(http.server.BaseHTTPRequestHandler):
+    """A server that answers every request in one hostile way, chosen by the first path segment's mode
+    (set on the class): what `verify-engine`, `parity sglang:` and `train --rollout-url` must survive."""
+
+    mode = "redirect"
+    caught = []   # requests the redirect's target received
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        if self.mode == "target":
+            type(self).caught.append(self.path)
+            return self._send(b"[1.0]")
+        if self.mode == "redirect":
+            self.send_response(307)
+            self.send_header("Location", f"http://127.0.0.1:{self.server.target_port}/get_weights_by_name")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+        elif self.mode == "drip":   # one byte at a time, each well inside a per-read timeout
+            self.send_response(200)
+            self.send_header("Content-Length", "100")
+            self.end_headers()
+            for _ in range(100):
+                self.wfile.write(b" ")
+                self.wfile.flush()
+                time.sleep(0.3)
+        elif self.mode == "endless":
+            self.send_response(200)
+            self.end_headers()
+            chunk = b"[" + b"1," * 50000
+            while True:
+                self.wfile.write(chunk)
+        elif self.mode == "deep":
+            self._send(b"[" * 200_000 + b"]" * 200_000)
+        elif self.mode == "bigint":
+            self._send(b"[" + b"9" * 4000 + b"]")
+        elif self.mode == "short":   # declares more than it sends, then closes
+            self.send_response(200)
+            self.send_header("Content-Length", "1000")
+            self.end_headers()
+            self.wfile.write(b"[1,")
+            self.close_connection = True
+
+    def _send(self, body: bytes):
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+class _QuietServer(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request, client_address):
+        pass  # a client hanging up on an endless answer is the point, not a fault to print
+
+
+def _hostile_server(mode: str, **attrs):
+    handler = type(f"_{mode}", (_HostileHandler,), {"mode": mode, **attrs})
+    httpd = _QuietServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    return httpd
+
+
+@pytest.mark.parametrize("mode, message", [
+    ("redirect", "HTTP 307 redirect to 'http://127.0.0.1:"),
+    ("drip", "did not complete within 2 s"),
+    ("endless", "passed the client's 4000000 byte limit"),
+    ("deep", "nested too deeply"),
+    ("bigint", "an integer of 4000 digits"),
+    ("short", "cut short or malformed"),
+])
+def test_a_hostile_server_is_one_line_and_nothing_leaves_for_another_host(mode, message, monkeypatch, capsys):
+    """No redirect is followed (the body would go to the host it names), one deadline bounds the whole
+    answer, a size cap bounds what is read, and a damaged or unreadable answer is named: exit 2."""
+    from glmkit.serve import client as client_module
+
+    target = _hostile_server("target", caught=[])
+    server = _hostile_server(mode)
+    server.target_port = target.server_address[1]
+    monkeypatch.setattr(client_module, "MAX_ANSWER_BYTES", 4_000_000)
+    real_init = client_module.SGLangClient.__init__
+    monkeypatch.setattr(client_module.SGLangClient, "__init__",
+                        lambda self, url, **kw: real_init(self, url, **{**kw, "timeout_s": 2.0, "retries": 0}))
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    start = time.monotonic()
+    try:
+        code = main(["ckpt", "verify-engine", "--hf", str(CKPT), "--url", url, "--sample", "2"])
+    finally:
+        for httpd in (server, target):
+            httpd.shutdown()
+            httpd.server_close()
+    err = capsys.readouterr().err
+    assert code == 2, err
+    errors = [line for line in err.splitlines() if "error" in line]  # the rest is the progress bar
+    assert len(errors) == 1 and message in errors[0], err
+    assert target.RequestHandlerClass.caught == []
+    assert time.monotonic() - start < 30

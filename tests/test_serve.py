@@ -842,6 +842,33 @@ def test_joins_whose_trainer_never_comes_leave_the_server_serving_and_stoppable(
             server.kill()
 
 
+def test_sigterm_during_generation_answers_503_and_exits_143_with_one_line():
+    """Hostile pass 10: SIGTERM while a request generates ended the process with SIGABRT (134; the
+    worker thread was still inside the model at the interpreter's exit), the client got a bare 500 and
+    stderr a traceback per request. Now the running requests end at their next step and are answered
+    503 naming the shutdown, the worker leaves before the process exits, and the exit is SIGTERM's 143."""
+    server = Server()
+    try:
+        answers = []
+        body = {"input_ids": [[1, 2, 3], [4, 5]], "sampling_params": {"max_new_tokens": 30000, "ignore_eos": True}}
+        client = threading.Thread(target=lambda: answers.append(requests.post(server.url + "/generate", json=body,
+                                                                              timeout=120)), daemon=True)
+        client.start()
+        time.sleep(2.0)  # generating by now (30000 tokens take minutes on the tiny model)
+        server.proc.terminate()
+        code = server.proc.wait(30)
+        client.join(30)
+    finally:
+        if server.proc.poll() is None:
+            server.kill()
+    output = "".join(server.output)
+    assert code == 143, output[-3000:]
+    assert answers and answers[0].status_code == 503, answers and answers[0].text
+    assert "the server is shutting down" in answers[0].json()["error"]["message"]
+    assert "Traceback" not in output and "terminate called" not in output, output[-3000:]
+    assert output.strip().splitlines()[-1].startswith("glmkit serve: terminated"), output[-500:]
+
+
 @pytest.mark.parametrize("flag, value, needle", [
     ("--max-batch-size", "100000000", "--max-batch-size 100000000: that many requests of 256 tokens need"),
     ("--max-context", "1000000000000", "--max-context 1000000000000: one request's decode cache at that length needs")])

@@ -9,6 +9,8 @@ reason.
 from __future__ import annotations
 
 import base64
+import http.client
+import json
 import os
 import re
 import time
@@ -17,10 +19,56 @@ from pathlib import Path
 import numpy as np
 import requests
 import torch
+import urllib3
 
 
 class SGLangError(ConnectionError):
     pass
+
+
+# The largest answer read: a generate batch's JSON with per-token log-probs and recorded routing of
+# long responses stays well under it; a server streaming without end is stopped here.
+MAX_ANSWER_BYTES = 2 * 2 ** 30
+MAX_INT_DIGITS = 20   # an int64 in decimal, with its sign: token ids, counts, shapes
+
+
+def _read_answer(answer, where: str, deadline: float, timeout_s: float, limit: int) -> bytes:
+    """The answer's body, read as it arrives under one deadline for the whole answer (a server that
+    drips bytes never trips a per-read timeout) and at most `limit` bytes."""
+    declared = answer.headers.get("Content-Length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise SGLangError(f"{where}: the answer declares {int(declared)} bytes, over the client's {limit} byte limit")
+    read = getattr(answer.raw, "read1", None) or (lambda n: answer.raw.read(n))  # read1: urllib3 >= 2.3
+    parts, size = [], 0
+    try:
+        while True:
+            chunk = read(1 << 20)
+            if not chunk:
+                break
+            parts.append(chunk)
+            size += len(chunk)
+            if size > limit:
+                raise SGLangError(f"{where}: the answer passed the client's {limit} byte limit")
+            if time.monotonic() > deadline:
+                raise SGLangError(f"{where}: the answer did not complete within {timeout_s:g} s")
+    except (urllib3.exceptions.HTTPError, http.client.HTTPException) as err:  # a body shorter than declared, ...
+        raise SGLangError(f"{where}: the answer was cut short or malformed ({type(err).__name__})") from None
+    return b"".join(parts)
+
+
+def _bounded_int(digits: str) -> int:
+    if len(digits) > MAX_INT_DIGITS:
+        raise ValueError(f"an integer of {len(digits)} digits")
+    return int(digits)
+
+
+def _parse_json(text: str, where: str):
+    try:
+        return json.loads(text, parse_int=_bounded_int)
+    except RecursionError:
+        raise SGLangError(f"{where}: the answer is JSON nested too deeply to read") from None
+    except ValueError as err:
+        raise SGLangError(f"{where}: the answer is not JSON a client can read ({str(err)[:100]}): {text[:200]!r}") from None
 
 
 def check_server_url(url: str) -> None:
@@ -49,14 +97,24 @@ class SGLangClient:
             raise ValueError(f"need retries >= 0, backoff_s >= 0 and timeout_s > 0; got {retries}, {backoff_s}, "
                              f"{timeout_s}")
         self.url, self.timeout_s, self.retries, self.backoff_s = url.rstrip("/"), timeout_s, retries, backoff_s
+        self.max_answer_bytes = MAX_ANSWER_BYTES
         self.session = requests.Session()
         self.session.trust_env = False  # a proxy from the environment must not see loopback traffic
 
     def _call(self, method: str, path: str, body: dict | None = None, json_answer: bool = True):
         where = f"{self.url}{path}"
         for attempt in range(self.retries + 1):
+            deadline = time.monotonic() + self.timeout_s
             try:
-                answer = self.session.request(method, where, json=body, timeout=self.timeout_s)
+                # redirects are not followed: a server must not send the body (weights, prompts) elsewhere
+                answer = self.session.request(method, where, json=body, timeout=self.timeout_s, stream=True,
+                                              allow_redirects=False)
+                with answer:
+                    if answer.is_redirect or 300 <= answer.status_code < 400:
+                        raise SGLangError(f"{where}: HTTP {answer.status_code} redirect to "
+                                          f"{answer.headers.get('Location', '(no Location)')[:200]!r}; "
+                                          f"redirects are not followed: give the server's own URL")
+                    content = _read_answer(answer, where, deadline, self.timeout_s, self.max_answer_bytes)
             except requests.Timeout:
                 raise SGLangError(f"{where}: no answer within {self.timeout_s:g} s") from None
             except requests.ConnectionError as err:
@@ -65,14 +123,14 @@ class SGLangClient:
                     continue
                 raise SGLangError(f"{where}: connection failed or was lost after {attempt + 1} attempt(s) "
                                   f"({type(err).__name__}); is the server running?") from None
+            except requests.RequestException as err:  # a body cut short, a bad chunk: the answer is damaged
+                raise SGLangError(f"{where}: the answer was cut short or malformed ({type(err).__name__})") from None
+            text = content.decode(answer.encoding or "utf-8", errors="replace")
             if answer.status_code >= 400:
-                raise SGLangError(f"{where}: HTTP {answer.status_code}: {error_text(answer)[:500]}")
+                raise SGLangError(f"{where}: HTTP {answer.status_code}: {error_text(text)[:500]}")
             if not json_answer:
-                return answer.text
-            try:
-                return answer.json()
-            except ValueError:
-                raise SGLangError(f"{where}: the answer is not JSON: {answer.text[:200]!r}") from None
+                return text
+            return _parse_json(text, where)
         raise AssertionError("unreachable")
 
     def _update(self, path: str, body: dict) -> dict:
@@ -214,13 +272,13 @@ class SGLangClient:
         return self._call("POST", "/continue_generation", {})
 
 
-def error_text(answer) -> str:
+def error_text(text: str) -> str:
     """The reason in any of SGLang's error bodies: {"error": "..."}, {"error": {"message"}},
     {"object": "error", "message"}, {"success": false, "message"}, or plain text."""
     try:
-        body = answer.json()
-    except ValueError:
-        return answer.text
+        body = json.loads(text, parse_int=_bounded_int)
+    except (ValueError, RecursionError):
+        return text
     if isinstance(body, dict):
         err = body.get("error")
         if isinstance(err, dict):
@@ -229,7 +287,7 @@ def error_text(answer) -> str:
             return str(err)
         if body.get("message") is not None:
             return str(body["message"])
-    return answer.text
+    return text
 
 
 def write_weights_dir(tensors: dict, root: str | os.PathLike, name: str) -> Path:

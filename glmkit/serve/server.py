@@ -85,6 +85,7 @@ MIN_SLOT_TOKENS = 256  # the shortest slot a batch opens (longer ones are powers
 PREFILL_ROWS = 8  # staging rows of a chunked prefill
 CACHE_SHARE = 0.9  # of the memory free when a batch opens, what its decode caches may take (the rest: activations)
 SHUTDOWN_GRACE_S = 5.0  # on SIGTERM, requests still running after this are cancelled
+SHUTTING_DOWN = "the server is shutting down (SIGTERM or Ctrl-C): the request was ended; send it to a running server"
 PARSE_INLINE_BYTES = 1 << 20  # bodies at least this large are parsed on a worker thread
 MAX_CHARS_PER_TOKEN = 64  # a text input longer than --max-context x this cannot fit the context
 PAUSE_MODES = ("abort", "retract", "in_place")
@@ -707,6 +708,7 @@ class Batcher:
         self.in_batch = False
         self.loop = None
         self.stopped = False
+        self.closing = False  # SIGTERM: running requests are ended and answered 503, new ones refused
         self.thread = threading.Thread(target=self._work, name="glmkit-engine", daemon=True)
 
     def start(self):
@@ -718,11 +720,25 @@ class Batcher:
             self.stopped = True
             self.cond.notify_all()
 
+    def shutdown(self):
+        """The server is going down: every request ends at its next step (answered 503 by its handler),
+        and the worker leaves once the batch has drained, so no thread is inside the model at exit."""
+        self.closing = True
+        self.abort(None, True)
+        self.stop()
+
+    def join(self, timeout_s: float) -> bool:
+        if self.thread.is_alive():
+            self.thread.join(timeout_s)
+        return not self.thread.is_alive()
+
     @property
     def alive(self) -> bool:
         return self.thread.is_alive() and not self.stopped
 
     def submit(self, items: list[Request], stream: bool = False) -> list:
+        if self.closing:
+            raise RequestError(SHUTTING_DOWN, status=503)
         with self.cond:
             busy = set(self.running) | {it.rid for it in self.pending if isinstance(it, Request)}
         taken = [it.rid for it in items if it.rid in busy]
@@ -989,7 +1005,9 @@ def build_app(service: EngineService, window_s: float = 0.005, max_body: int = D
     async def lifespan(app):
         batcher.start()
         yield
-        batcher.stop()
+        batcher.shutdown()
+        if not await asyncio.to_thread(batcher.join, SHUTDOWN_GRACE_S):
+            warnings.warn(f"the engine's worker was still inside a step after {SHUTDOWN_GRACE_S:g} s at shutdown")
 
     # no /docs or /redoc: FastAPI's pages load their scripts from a CDN (the schema stays at /openapi.json)
     app = FastAPI(title="glmkit serve (SGLang native API)", lifespan=lifespan, docs_url=None, redoc_url=None)
@@ -1132,6 +1150,8 @@ def build_app(service: EngineService, window_s: float = 0.005, max_body: int = D
                 for it in items:
                     batcher.abort(it.rid, False, exact=True)
                 return Response(status_code=499)
+        if batcher.closing:
+            return JSONResponse({"error": {"message": SHUTTING_DOWN}}, status_code=503)
         try:
             answers = gathered.result()
         except RequestError:
@@ -1490,7 +1510,16 @@ def serve(checkpoint, host: str = "127.0.0.1", port: int = 30000, device: str = 
                       f"serving at most {cap} connections at once")
     config = uvicorn.Config(app, log_level="warning", access_log=False, http=bounded_protocol(header_timeout_s, cap),
                             timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
-    server = uvicorn.Server(config)
+    batcher = app.state.batcher
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            # end the running requests now: the graceful wait then ends at their next step, with answers
+            if batcher.loop is not None:
+                batcher.loop.call_soon_threadsafe(batcher.shutdown)
+            super().handle_exit(sig, frame)
+
+    server = Server(config)
     on_ready(f"glmkit serve: {checkpoint} on {http_url(host, bound)} (SGLang native API; device {device}, "
              f"max batch {max_batch})")
     server.run(sockets=[sock])
