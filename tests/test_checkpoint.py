@@ -479,6 +479,12 @@ def test_tied_embeddings_load_compute_the_reference_and_save_once(tmp_path):
 
 @pytest.mark.parametrize("field, value, reason", [
     ("num_experts_per_tok", 100, "num_experts_per_tok 100 is larger than n_routed_experts 8"),
+    # hostile pass 10: the reference's router divides the experts into n_group groups (exit 3 before)
+    ("n_group", 3, "n_group 3 must divide n_routed_experts 8 (equal groups)"),
+    ("n_group", 0, "n_group must be a positive integer, got 0"),
+    ({"n_group": 2, "topk_group": 5}, None, "topk_group 5 must be in 1..n_group (2)"),
+    ({"n_group": 4, "topk_group": 1}, None, None),  # 2 experts a group, 1 group kept: top-2 fits
+    ({"n_group": 8, "topk_group": 1}, None, "num_experts_per_tok 2 is more than the 1 experts of the topk_group 1"),
     ("index_topk", 0, "index_topk must be a positive integer, got 0"),
     ("vocab_size", -5, "vocab_size must be a positive integer, got -5"),
 ])
@@ -490,9 +496,47 @@ def test_a_config_no_model_can_run_is_refused_by_name(tmp_path, field, value, re
     from glmkit.checkpoint.hf import text_config_from_json
 
     raw = json.loads((Path(__file__).resolve().parents[1] / "glmkit" / "assets" / "tiny_start" / "config.json").read_text())
-    (raw["text_config"] if "text_config" in raw else raw)[field] = value
+    text = raw["text_config"] if "text_config" in raw else raw
+    text.update(field if isinstance(field, dict) else {field: value})
+    if reason is None:
+        text_config_from_json(raw, tmp_path / "config.json")  # a valid grouping
+        return
     with pytest.raises(ValueError, match=re.escape(reason)):
         text_config_from_json(raw, tmp_path / "config.json")
+
+
+@pytest.mark.parametrize("changes, needle", [
+    ({"n_routed_experts": 10 ** 7}, "the config describes 30000108 text tensors (num_hidden_layers 4, n_routed_experts "
+                                    "10000000) and the checkpoint stores 132"),
+    ({"n_routed_experts": 10 ** 9}, "n_routed_experts 1000000000) and the checkpoint stores 132"),
+    ("layers", "(num_hidden_layers 200000, n_routed_experts 8) and the checkpoint stores 132"),
+])
+def test_counts_far_beyond_the_stored_tensors_are_refused_before_any_name_is_made(tmp_path, changes, needle):
+    """Hostile pass 10: n_routed_experts 10**7 took 7.5 GB listing the missing experts, 10**9 crashed
+    the interpreter (rc 139), 200000 layers listed 5.2M problems. The tensor count is worked out first."""
+    import json
+    import resource
+    import shutil
+
+    from glmkit.checkpoint import CheckpointError, open_checkpoint
+
+    folder = tmp_path / "ck"
+    shutil.copytree(Path(__file__).resolve().parents[1] / "glmkit" / "assets" / "tiny_start", folder)
+    config = json.loads((folder / "config.json").read_text())
+    text = config["text_config"] if "text_config" in config else config
+    if changes == "layers":
+        n = 200_000
+        text["num_hidden_layers"] = n
+        for key in ("layer_types", "mlp_layer_types", "indexer_types"):
+            if isinstance(text.get(key), list):
+                text[key] = (text[key] * (n // len(text[key]) + 1))[:n]
+    else:
+        text.update(changes)
+    (folder / "config.json").write_text(json.dumps(config))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(CheckpointError, match=re.escape(needle)):
+        open_checkpoint(folder)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 1_000_000  # KiB: well under 1 GiB
 
 
 @pytest.mark.parametrize("where, key, value, needle", [

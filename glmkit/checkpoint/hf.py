@@ -34,6 +34,7 @@ from glmkit.checkpoint.names import (
     LM_HEAD,
     TEXT_PREFIX,
     VISION_PREFIX,
+    expected_tensor_count,
     expected_tensors,
     keeps_fp32,
     layer_of,
@@ -200,10 +201,28 @@ def _check_sizes(config, file: Path) -> None:
     if pad is not None and (not isinstance(pad, int) or isinstance(pad, bool) or not 0 <= pad < config.vocab_size):
         raise CheckpointError(f"{file}: pad_token_id must be a token id below vocab_size {config.vocab_size} "
                               f"(or null), got {pad!r}")
+    _check_expert_groups(config, file)
     limit = getattr(config, "swiglu_limit", None)
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float))
                               or not math.isfinite(limit) or limit <= 0 or limit > FLOAT32_MAX):
         raise CheckpointError(f"{file}: swiglu_limit must be a positive finite number (or null), got {limit!r}")
+
+
+def _check_expert_groups(config, file: Path) -> None:
+    """The router's grouped top-k (DeepSeek's): experts split into n_group equal groups, the best
+    topk_group groups kept, num_experts_per_tok experts chosen among them."""
+    experts, k = config.n_routed_experts, config.num_experts_per_tok
+    groups, kept = getattr(config, "n_group", 1), getattr(config, "topk_group", 1)
+    for name, value in (("n_group", groups), ("topk_group", kept)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise CheckpointError(f"{file}: {name} must be a positive integer, got {value!r}")
+    if experts % groups:
+        raise CheckpointError(f"{file}: n_group {groups} must divide n_routed_experts {experts} (equal groups)")
+    if kept > groups:
+        raise CheckpointError(f"{file}: topk_group {kept} must be in 1..n_group ({groups})")
+    if k > kept * (experts // groups):
+        raise CheckpointError(f"{file}: num_experts_per_tok {k} is more than the {kept * (experts // groups)} "
+                              f"experts of the topk_group {kept} groups kept (n_group {groups})")
 
 
 MAX_SINKHORN_ITERS = 1000  # the model's 20, with room for experiments
@@ -538,9 +557,25 @@ def open_checkpoint(path: str | os.PathLike) -> Checkpoint:
             mtp.append(name)
         else:
             text[name] = info
+    _check_counts_against_storage(config_file, config, len(text))
     _validate_text_tensors(path, source, expected_tensors(config), text)
     _check_dtypes(path, text)
     return Checkpoint(path, config, text, sorted(vision), sorted(mtp))
+
+
+# A checkpoint missing this many more tensors than it holds is not a damaged copy of what its config
+# describes: its counts are wrong, and listing every missing name would take gigabytes (hostile pass 10:
+# n_routed_experts 10**7 took 7.5 GB; 10**9 crashed the interpreter).
+MAX_MISSING_LISTED = 100_000
+
+
+def _check_counts_against_storage(file: Path, config, stored: int) -> None:
+    expected = expected_tensor_count(config)
+    if expected > stored + MAX_MISSING_LISTED:
+        raise CheckpointError(
+            f"{file}: the config describes {expected} text tensors (num_hidden_layers {config.num_hidden_layers}, "
+            f"n_routed_experts {config.n_routed_experts}) and the checkpoint stores {stored}; these counts do not "
+            f"belong to this checkpoint")
 
 
 # ----------------------------------------------------------------------------- writing

@@ -148,6 +148,23 @@ def layer_tensors(config: Glm5NextTextConfig, i: int) -> dict[str, tuple[int, ..
     return shapes
 
 
+def expected_tensor_count(config: Glm5NextTextConfig) -> int:
+    """len(expected_tensors(config)), counted without making the names: one layer of each kind is
+    built with a single routed expert, and each routed expert adds its three projections."""
+    import copy
+
+    one = copy.copy(config)
+    one.n_routed_experts = 1
+    per_kind, count = {}, 1 + 1 + (0 if config.tie_word_embeddings else 1)  # embed, final norm, lm_head
+    for i in range(config.num_hidden_layers):
+        kind = (config.layer_types[i], config.mlp_layer_types[i], config.indexer_types[i])
+        if kind not in per_kind:
+            per_kind[kind] = len(layer_tensors(one, i)) + (3 * (config.n_routed_experts - 1)
+                                                           if kind[1] == "sparse" else 0)
+        count += per_kind[kind]
+    return count
+
+
 def expected_tensors(config: Glm5NextTextConfig) -> dict[str, tuple[int, ...]]:
     """Every text tensor save_pretrained writes for `config`: full name -> shape.
 
