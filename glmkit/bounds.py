@@ -37,3 +37,24 @@ def check_tokens_fit(config, batch: int, seq_len: int, device: str, what: str, p
         raise ValueError(f"{what}: {batch} x {seq_len} = {tokens} tokens need at least {need / 2**30:.3g} GiB "
                          f"({paths} paths x {per_token} bytes a token) and {device} has {have / 2**30:.3g} GiB free; "
                          f"use fewer or shorter sequences (or the streaming mode)")
+
+
+def sequence_bytes(config, tokens: int, device: str) -> int:
+    """A lower bound of what one sequence of `tokens` takes through the transformers reference: its
+    per-token bytes and one layer's T x T matrices in fp32. On the CPU the reference attends eagerly:
+    every head's scores, probabilities and their intermediate copies at once, with the mask and the
+    indexer's scores beside them (measured on the tiny model at 6000 tokens: 62 bytes per T x T
+    element, against 56 counted here for its 4 heads; a 24000-token sample passed 24 GB). A CUDA kernel
+    may hold as little as the mask and one score matrix."""
+    matrices = 3 * config.num_attention_heads + 2 if not str(device).startswith("cuda") else 2
+    return tokens * bytes_per_token(config) + 4 * matrices * tokens * tokens
+
+
+def check_sequence_fits(config, tokens: int, device: str, what: str) -> None:
+    """Refuse, with both numbers, one sequence the reference cannot hold in the memory `device` has free."""
+    need, have = sequence_bytes(config, tokens, device), free_bytes(device)
+    if need > have:
+        raise ValueError(f"{what}: {tokens} tokens through the reference need at least {need / 2**30:.3g} GiB "
+                         f"(attention scores grow with the square of the length) and {device} has "
+                         f"{have / 2**30:.3g} GiB free; use a machine with more memory or a GPU")
+

@@ -341,3 +341,22 @@ def test_response_lengths_that_are_not_one_integer_are_named(value, message, rol
     raw["samples"][0]["loss_mask"] = raw["samples"][1].get("loss_mask")
     torch.save(raw, path)
     assert load_rollout_data(path).samples[0].response_length == raw["samples"][1]["response_length"]
+
+
+def test_a_sample_no_memory_here_can_hold_is_refused_before_any_model_loads(tmp_path, capsys, monkeypatch):
+    """Hostile pass 10: a 190 KB file holding one 24000-token sample took the reference to 24 GB (its
+    eager attention holds every head's T x T scores). The longest sample is checked against the memory
+    free first (here the machine is said to have 8 GiB free, as a CI runner might), exit 2 naming it."""
+    import glmkit.bounds
+
+    monkeypatch.setattr(glmkit.bounds, "free_bytes", lambda device: 8 * 2 ** 30)
+    sample = {"tokens": list(range(1, 13)) * 2000, "response_length": 10, "rollout_log_probs": [-1.0] * 10,
+              "loss_mask": [1] * 10, "reward": 0.0}
+    path = tmp_path / "long.pt"
+    short = {**sample, "tokens": list(range(5, 25)), "response_length": 2, "rollout_log_probs": [-1.0] * 2,
+             "loss_mask": [1] * 2}
+    torch.save({"rollout_id": 0, "samples": [short, sample]}, path)
+    assert main(["rollout-data", str(path), "--checkpoint", str(CKPT)]) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"long\.pt: samples\[1\]: 24000 tokens through the reference need at least [0-9.]+ GiB "
+                     r"\(attention scores grow with the square of the length\) and cpu has 8 GiB free", err), err

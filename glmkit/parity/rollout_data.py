@@ -377,6 +377,8 @@ def attribute(data: RolloutData, checkpoint, device: str = "cpu", dtype: torch.d
               trainer_logprobs: dict | None = None, progress: bool = True) -> RolloutAttribution:
     """Recompute every sample's response log-probs through the reference and the trainer side and tell,
     per sample, which side departs from the reference."""
+    from glmkit.bounds import check_sequence_fits
+    from glmkit.checkpoint import open_checkpoint
     from glmkit.model import TrainPath, load_model
     from glmkit.reference import load_reference
 
@@ -384,6 +386,9 @@ def attribute(data: RolloutData, checkpoint, device: str = "cpu", dtype: torch.d
         raise ValueError(f"threshold must be > 0, got {threshold}")
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0 (the framework divides the logits by it), got {temperature}")
+    longest = max(data.samples, key=lambda s: len(s.tokens))  # checked before any model is loaded
+    check_sequence_fits(open_checkpoint(checkpoint).config, len(longest.tokens), device,
+                        f"{data.path}: samples[{longest.position}]")
     reference = load_reference(checkpoint, dtype, device)
     trainer = None if trainer_logprobs is not None else TrainPath(load_model(checkpoint, dtype, device), backends)
     source = "the trainer's own log-probs (train data)" if trainer_logprobs is not None else \
