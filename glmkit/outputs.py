@@ -249,6 +249,9 @@ def check_dir_out(path, flag: str | None = None, overwrite: bool | None = False,
     if not overwrite:
         hint = "choose a new or empty directory" if overwrite is None else "pass --overwrite to replace it"
         raise ValueError(f"{_prefix(flag, path)}: already exists and is not empty; {hint}")
+    if through_link(target):  # as for files: a link in the path may lead anywhere
+        raise ValueError(f"{_prefix(flag, path)}: reached through a symbolic link; --overwrite replaces nothing "
+                         f"through one (name the directory by its real path, {target.resolve()})")
     if not is_glmkit_output(target):
         raise ValueError(f"{_prefix(flag, path)}: --overwrite replaces only a directory glmkit wrote (one with a "
                          f"{MARKER} file), and this one has none (nor do those of glmkit versions before the marker); "
@@ -444,6 +447,7 @@ class RunLock:
             why = not_a_file(self.given) or "is not a regular file"
             raise ValueError(f"{self.flag} {self.given}: {why}; give the path of a regular file or folder")
         refuse_name_without_room(self.target, self.flag)
+        self._refuse_inside_a_locked_output()
         self.path.parent.mkdir(parents=True, exist_ok=True)
         for _ in range(100):
             handle = self._open()
@@ -486,6 +490,35 @@ class RunLock:
             self.__exit__()
             raise
         return self
+
+    def _refuse_inside_a_locked_output(self) -> None:
+        """An output inside another run's locked output (a --save folder's iter_* of a run still
+        writing it) would be replaced under that run: refused with its holder named. A lock file no
+        process holds is a stale one, and is left for its own output's next run to take over."""
+        import fcntl
+
+        for folder in self.target.parents:
+            if not folder.name:  # the root has no name, and no lock beside it
+                continue
+            lock = folder.with_name(f".{folder.name}.glmkit-lock")
+            try:
+                fd = os.open(lock, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+            except OSError:  # none there (the usual case), or a link or a FIFO: not a lock a run holds
+                continue
+            try:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    continue
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                except OSError:
+                    holder = "".join(c for c in os.read(fd, LOCK_TEXT_CHARS).decode("utf-8", "replace")
+                                     if c.isprintable()).strip()
+                    raise ValueError(f"{self.flag} {self.target} is inside {folder}, which another glmkit run is "
+                                     f"writing ({holder or 'holder unknown'}); wait for it to end or choose a path "
+                                     f"outside it") from None
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            finally:
+                os.close(fd)
 
     def __exit__(self, *exc):
         import fcntl

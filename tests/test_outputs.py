@@ -457,3 +457,33 @@ def test_an_output_name_too_long_for_glmkits_names_beside_it_is_refused_by_the_u
     assert f"--out {long}: a name of 250 bytes leaves no room for the names glmkit writes beside it" in err
     assert err.count("\n") == 1 and list(tmp_path.iterdir()) == []
     assert main(["ckpt", "synth", "--variant", "tiny", "--out", str(tmp_path / ("n" * 200))]) == 0
+
+
+def test_an_output_inside_another_runs_locked_output_is_refused_with_the_holder(tmp_path):
+    """Hostile pass 10: while run A wrote --save s, run B with --save s/iter_0000001 --overwrite replaced
+    A's save folder. An output inside a held output is refused, naming the holder, however the path is
+    spelled (a link finds the same lock); a stale lock above does not stand in the way."""
+    from glmkit.outputs import check_dir_out
+
+    save = tmp_path / "s"
+    (save / "iter_0000001").mkdir(parents=True)
+    (tmp_path / "here").symlink_to(tmp_path)
+    with RunLock(save, "--save"):
+        for inner in (save / "iter_0000001", save / "iter_0000002" / "model", tmp_path / "here" / "s" / "x"):
+            with pytest.raises(ValueError, match=f"is inside {save}, which another glmkit run is writing "
+                                                 f"\\(pid={os.getpid()} host="):
+                RunLock(inner, "--save").__enter__()
+        with RunLock(tmp_path / "sibling", "--save"):  # beside it: free
+            pass
+    (tmp_path / ".s.glmkit-lock").write_text("pid=999999999 host=elsewhere\n")  # left by a run that died
+    with RunLock(save / "iter_0000001", "--save"):
+        pass
+    # --overwrite of a directory reached through a symbolic link in its path is refused, as for files
+    mark(save / "iter_0000001", "checkpoint")
+    (save / "iter_0000001" / "model.safetensors").write_bytes(b"x")
+    from glmkit.outputs import record_entries
+
+    record_entries(save / "iter_0000001")
+    with pytest.raises(ValueError, match="reached through a symbolic link; --overwrite replaces nothing through one"):
+        check_dir_out(tmp_path / "here" / "s" / "iter_0000001", "--out", overwrite=True)
+    assert check_dir_out(save / "iter_0000001", "--out", overwrite=True) == save / "iter_0000001"
