@@ -172,6 +172,12 @@ class TorchDistCheckpoint:
             raise CheckpointError(f"{self.path}: {len(absent)} of the {len(files)} data files the index names are "
                                   f"missing: {', '.join(absent[:5])}{', ...' if len(absent) > 5 else ''}")
 
+    def _check_chunks_cover(self, key: str, shape) -> None:
+        meta = self.metadata.state_dict_metadata[key]
+        why = _chunks_cover(getattr(meta, "chunks", None) or [], list(shape))
+        if why is not None:
+            raise CheckpointError(f"{self.path}/.metadata: {key} {list(shape)}: {why}: a damaged index")
+
     def get(self, key: str) -> torch.Tensor:
         """One tensor at its global shape (all its chunks, from whichever files hold them)."""
         import torch.distributed.checkpoint as dcp
@@ -188,6 +194,7 @@ class TorchDistCheckpoint:
         if declared > stored:
             raise CheckpointError(f"{self.path}: {key} is declared {list(info.shape)} {info.dtype} ({declared} bytes) "
                                   f"but its chunks store {stored} bytes: a damaged index")
+        self._check_chunks_cover(key, info.shape)
         target = {key: torch.empty(info.shape, dtype=info.dtype)}
         reader = _SafeReader(self.path, self.metadata)
         with warnings.catch_warnings():  # one process, no process group: DCP says so, and loads
@@ -199,6 +206,21 @@ class TorchDistCheckpoint:
         return target[key]
 
 
+def _chunks_cover(chunks, shape) -> str | None:
+    """None when the chunks lie within `shape` and their elements add up to it (no gap is left for
+    uninitialised memory to be read as weights), else what is wrong."""
+    total = 0
+    for chunk in chunks:
+        offsets, sizes = list(getattr(chunk, "offsets", ()) or ()), list(getattr(chunk, "sizes", ()) or ())
+        if len(offsets) != len(shape) or len(sizes) != len(shape) or any(
+                o < 0 or s < 0 or o + s > n for o, s, n in zip(offsets, sizes, shape)):
+            return f"a chunk at {offsets} of size {sizes} lies outside {list(shape)}"
+        total += math.prod(sizes)
+    if total != math.prod(shape):
+        return f"its chunks hold {total} of its {math.prod(shape)} elements"
+    return None
+
+
 def _first_cause(err: BaseException) -> str:
     """The failure under DCP's wrapper (which reports a rank's traceback as text)."""
     failures = getattr(err, "failures", None)
@@ -206,6 +228,9 @@ def _first_cause(err: BaseException) -> str:
         err = next(iter(failures.values()))
         err = err[0] if isinstance(err, tuple) and err else err  # (exception, its stack summary)
     text = str(err).strip().splitlines()
+    if isinstance(err, pickle.UnpicklingError) or any("weights_only" in line for line in text):
+        # torch's text goes on to suggest weights_only=False: never for a file that failed this way
+        return "the data file is damaged or holds more than tensors (glmkit reads it weights-only, never unpickling objects)"
     return f"{type(err).__name__}" + (f": {text[0]}" if text else " (the data file is truncated or damaged)")
 
 
