@@ -460,9 +460,12 @@ def run_notebook(notebook, out_dir, parameters: dict, name: str | None = None) -
     if given is not None and resolve_out_dir(str(given)) != resolve_out_dir(out_dir):  # it would be replaced
         raise ValueError(f"-p out_dir {str(given)[:80]}: the notebook's out_dir is the report directory, "
                          f"{resolve_out_dir(out_dir)}; set it with --out")
+    if name is not None and not name.strip():
+        raise ValueError(f"--name {name!r}: empty; give a file name (or leave --name out for the notebook's stem)")
     name = name or notebook.stem
-    if not name or name.startswith(".") or "/" in name or "\\" in name or "\0" in name:
-        raise ValueError(f"--name {name!r}: a report's name is a plain file name (no folder, not hidden)")
+    if name.startswith(".") or "/" in name or "\\" in name or not name.isprintable():
+        raise ValueError(f"--name {name!r}: a report's name is a plain file name (no folder, not hidden, no "
+                         f"line breaks or control characters)")
     if out_dir / f"{name}.ipynb" == notebook:
         raise ValueError(f"{notebook}: the executed copy would overwrite the notebook; choose another out_dir or name")
     out_dir = check_dir_out(out_dir, "--out", whole=False)

@@ -479,4 +479,10 @@ def test_a_report_replaces_only_its_own_files_and_refuses_bad_notebooks_and_name
     assert bad.returncode == 2 and "not a readable Jupyter notebook" in bad.stderr and not (tmp_path / "new").exists()
     named = glmkit_report(page, "--out", tmp_path / "new", "--name", "../escape")
     assert named.returncode == 2 and "a plain file name" in named.stderr and not (tmp_path / "escape.html").exists()
+    # hostile pass 10: a line break was written into the file name, '' quietly became the default
+    broken_line = glmkit_report(page, "--out", tmp_path / "new", "--name", "new\nline")
+    assert broken_line.returncode == 2 and "'new\\nline': a report's name is a plain file name" in broken_line.stderr
+    assert len(broken_line.stderr.strip().splitlines()) == 1
+    empty = glmkit_report(page, "--out", tmp_path / "new", "--name", "")
+    assert empty.returncode == 2 and "--name '': empty" in empty.stderr
     assert not (tmp_path / "new").exists()
