@@ -1000,7 +1000,7 @@ def test_config_counts_that_size_every_forward_are_bounded_at_load(tiny_ckpt, tm
         open_checkpoint(bad)
 
 
-def _train_with_file_size_limit(tmp_path, limit: int):
+def _train_with_file_size_limit(tmp_path, limit: int, *extra):
     """`glmkit train` in a child whose files may not grow past `limit` bytes (RLIMIT_FSIZE, SIGXFSZ
     ignored): each write past it fails with EFBIG as a full disk fails with ENOSPC, after a short write."""
     import resource
@@ -1012,7 +1012,7 @@ def _train_with_file_size_limit(tmp_path, limit: int):
 
     metrics = tmp_path / "m.jsonl"
     done = subprocess.run([sys.executable, "-m", "glmkit", "train", "--num-rollout", "3",
-                           "--metrics-out", str(metrics)], capture_output=True, text=True, timeout=600,
+                           "--metrics-out", str(metrics), *extra], capture_output=True, text=True, timeout=600,
                           preexec_fn=limited)
     return done, metrics
 
@@ -1029,6 +1029,15 @@ def test_a_disk_that_fills_mid_run_leaves_whole_rows_only(tmp_path):
     assert text and text.endswith("\n") and len(text) <= 3000
     assert all(isinstance(json.loads(line), dict) for line in text.splitlines())
     assert is_glmkit_file(metrics)
+
+
+def test_a_disk_full_at_the_save_leaves_no_empty_save_folder(tmp_path):
+    """Hostile pass 10: a checkpoint the disk could not hold left the --save folder the run had made,
+    empty, looking like a run's checkpoints. Every row fits here; the model's weights do not."""
+    done, metrics = _train_with_file_size_limit(tmp_path, 60_000, "--save", str(tmp_path / "s"))
+    assert done.returncode == 4, done.stderr
+    assert "environment error: File too large" in done.stderr
+    assert not (tmp_path / "s").exists() and len(metrics.read_text().splitlines()) >= 3
 
 
 def test_a_disk_full_before_the_first_row_leaves_nothing_claimed(tmp_path):

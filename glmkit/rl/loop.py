@@ -702,6 +702,8 @@ class GRPOTrainer:
         # the run's outputs are locked from here to the end of run(): a second writer is refused
         self.locks = ([RunLock(cfg.metrics_out, "--metrics-out")] + ([RunLock(cfg.save, "--save")] if cfg.save else [])
                       if self.lead else [])
+        # a --save folder this run makes goes again if the run ends with nothing in it (a full disk)
+        self._made_save = bool(cfg.save) and self.lead and not os.path.lexists(cfg.save)
         for lock in self.locks:
             try:
                 lock.__enter__()
@@ -715,9 +717,13 @@ class GRPOTrainer:
             raise
 
     def release(self):
-        """Let go of the outputs' locks (run() does at its end)."""
+        """Let go of the outputs' locks (run() does at its end); a --save folder this run made and
+        left empty is removed, so no empty folder looks like a run's checkpoints."""
         for lock in getattr(self, "locks", []):
             lock.__exit__(None, None, None)
+        save = Path(self.cfg.save) if getattr(self, "_made_save", False) else None
+        if save is not None and save.is_dir() and not save.is_symlink() and not any(save.iterdir()):
+            save.rmdir()
 
     def _build(self, cfg, dtype, rollout, dp):
         from glmkit.model import TrainPath, load_model
