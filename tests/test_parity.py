@@ -262,3 +262,17 @@ def test_capture_sites_of_odd_dtypes_and_bad_prompt_lengths_are_refused_by_name(
         json.loads((folder / "manifest.json").read_text())  # the file itself is fine JSON
     good = Capture(ids, cu, tensors={(0, "attn_out"): torch.randn(5, 4)}, manifest={"path": "t", "prompt_lengths": [3, 1]})
     assert load_capture(save_capture(good, tmp_path / "good")).manifest["prompt_lengths"] == [3, 1]
+
+
+def test_captures_that_disagree_on_a_sites_shape_name_both_captures():
+    """Hostile pass 10: a capture whose site had the wrong shape was refused as "site 1/attn_out: shapes
+    differ", naming neither capture."""
+    from glmkit.parity.compare import compare
+    from glmkit.parity.dump import Capture
+
+    ids, cu = torch.tensor([3, 4, 5]), torch.tensor([0, 3])
+    a = Capture(ids, cu, {(1, "attn_out"): torch.zeros(3, 8)}, {"path": "reference"}, source="/runs/a")
+    b = Capture(ids, cu, {(1, "attn_out"): torch.zeros(3, 9)}, {"path": "train"}, source="/runs/b")
+    with pytest.raises(ValueError, match=re.escape("site 1/attn_out is [3, 8] in /runs/a and [3, 9] in /runs/b: "
+                                                   "the captures disagree")):
+        compare(a, b)

@@ -119,6 +119,13 @@ def compare(a: Capture, b: Capture, dtype: str = "float32", thresholds: dict | N
         skipped += [f"{k[0]}/{k[1]} (shapes {list(a.tensors[k].shape)} vs {list(b.tensors[k].shape)})"
                     for k in mismatched]
         common = [k for k in common if k not in mismatched]
+    else:
+        for k in common:
+            if a.tensors[k].shape != b.tensors[k].shape:
+                names = [c.source or c.manifest.get("path", side) for c, side in ((a, "a"), (b, "b"))]
+                raise ValueError(f"site {k[0]}/{k[1]} is {list(a.tensors[k].shape)} in {names[0]} and "
+                                 f"{list(b.tensors[k].shape)} in {names[1]}: the captures disagree on the model's "
+                                 f"shapes (a damaged capture, or one of another config)")
     results = []
     tie = TIE_TOLERANCE[dtype]
     kpools = {c.manifest.get("index_kpool") for c in (a, b)} - {None}

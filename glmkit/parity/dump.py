@@ -73,6 +73,7 @@ class Capture:
     cu_seqlens: torch.Tensor
     tensors: dict = field(default_factory=dict)
     manifest: dict = field(default_factory=dict)
+    source: str | None = None  # the folder it was read from, to name it in messages
 
     @property
     def lengths(self) -> list[int]:
@@ -155,7 +156,7 @@ def load_capture(path: str | os.PathLike) -> Capture:
                 isinstance(p, int) and not isinstance(p, bool) and 0 < p <= n for p, n in zip(prompts, lengths))):
             raise ValueError(f"{manifest_file}: prompt_lengths must list one length in 1..len(sequence) for each of "
                              f"the {len(lengths)} sequences, got {str(prompts)[:120]}")
-        capture = Capture(ids, cu, manifest=manifest)
+        capture = Capture(ids, cu, manifest=manifest, source=str(path))
         for key in keys:
             if not key.startswith("input/"):
                 try:

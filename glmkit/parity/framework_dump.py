@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import pickle
 import re
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -183,7 +184,9 @@ def _load(file: Path) -> _Record:
     if (why := not_a_file(file)) is not None:  # a pipe would block torch.load for ever
         raise ValueError(f"{file}: {why}; a dump file is a regular file")
     try:
-        data = torch.load(file, map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch warns before failing on a legacy pickle; the error says it all
+            warnings.simplefilter("ignore", UserWarning)
+            data = torch.load(file, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
         found = re.search(r"GLOBAL ([\w.]+)", str(err))
         raise ValueError(f"{file}: needs pickle to read ({found.group(1) if found else 'not weights-only'}); "

@@ -19,10 +19,13 @@ from __future__ import annotations
 import math
 import pickle
 import re
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from glmkit.bounds import FLOAT32_MAX
 from tqdm import tqdm
 
 from glmkit.inputs import UNPICKLE_ERRORS, check_loaded_tensors, not_a_file
@@ -53,7 +56,9 @@ def _load(path: Path, what: str):
     if why is not None:
         raise ValueError(f"{path}: {why}; {what} is one .pt file")
     try:
-        with torch.serialization.safe_globals(_numpy_globals()):
+        # torch warns before failing on a legacy (non-zip) pickle: the one-line error below says it all
+        with torch.serialization.safe_globals(_numpy_globals()), warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
             loaded = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
         found = re.search(r"GLOBAL ([\w.]+)|(REDUCE|BUILD|INST|OBJ)", str(err))
@@ -98,10 +103,13 @@ def _integer(value, where: str, expected: str):
 
 
 def _floats(value: list, where: str) -> list[float]:
+    """The values as floats; one past float32's range is infinite, as the framework's fp32 tensors
+    would hold it (a log-prob of 1e308 is not a number any side computed: it counts as non-finite)."""
     try:
-        return [float(v) for v in value]
+        floats = [float(v) for v in value]
     except OverflowError:  # an int past a float's range
         raise ValueError(f"{where}: holds a number too large for a float") from None
+    return [math.copysign(math.inf, v) if abs(v) > FLOAT32_MAX else v for v in floats]
 
 
 def _float_list(value, n: int, where: str) -> list[float]:
