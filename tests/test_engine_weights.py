@@ -148,13 +148,9 @@ def test_an_engine_in_bfloat16_matches_as_bfloat16():
     assert "bfloat16" in kinds and kinds <= {"float32", "bfloat16"}
 
 
-class _NoWeightsHandler(http.server.BaseHTTPRequestHandler):
-    """An SGLang server whose model class has no get_weights_by_name: 400 as SGLang answers it."""
-
-    def do_POST(self):
-        self.rfile.read(int(self.headers.get("Content-Length", 0)))
-        body = json.dumps({"error": {"message": "Get parameter by name failed"}}).encode()
-        self.send_response(400)
+class _JSONHandler(http.server.BaseHTTPRequestHandler):
+    def _send(self, body: bytes, status: int = 200):
+        self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
@@ -162,6 +158,14 @@ class _NoWeightsHandler(http.server.BaseHTTPRequestHandler):
 
     def log_message(self, *args):
         pass
+
+
+class _NoWeightsHandler(_JSONHandler):
+    """An SGLang server whose model class has no get_weights_by_name: 400 as SGLang answers it."""
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self._send(json.dumps({"error": {"message": "Get parameter by name failed"}}).encode(), 400)
 
 
 def test_an_engine_that_answers_for_nothing_or_is_gone_is_exit_2(capsys):
@@ -180,7 +184,7 @@ def test_an_engine_that_answers_for_nothing_or_is_gone_is_exit_2(capsys):
     assert "must start with http://" in capsys.readouterr().err
 
 
-class _HostileHandler(http.server.BaseHTTPRequestHandler):
+class _HostileHandler(_JSONHandler):
     """A server that answers every request in one hostile way, chosen by the first path segment's mode
     (set on the class): what `verify-engine`, `parity sglang:` and `train --rollout-url` must survive."""
 
@@ -221,16 +225,6 @@ class _HostileHandler(http.server.BaseHTTPRequestHandler):
             self.end_headers()
             self.wfile.write(b"[1,")
             self.close_connection = True
-
-    def _send(self, body: bytes):
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args):
-        pass
 
 
 class _QuietServer(http.server.ThreadingHTTPServer):
