@@ -485,6 +485,8 @@ def test_tied_embeddings_load_compute_the_reference_and_save_once(tmp_path):
     ({"n_group": 2, "topk_group": 5}, None, "topk_group 5 must be in 1..n_group (2)"),
     ({"n_group": 4, "topk_group": 1}, None, None),  # 2 experts a group, 1 group kept: top-2 fits
     ({"n_group": 8, "topk_group": 1}, None, "num_experts_per_tok 2 is more than the 1 experts of the topk_group 1"),
+    # hostile pass 11: an indexer_types list longer than the layers was taken as it was
+    ("indexer_types", ["full"] * 204, "indexer_types lists 204 layers and num_hidden_layers is 4"),
     ("index_topk", 0, "index_topk must be a positive integer, got 0"),
     ("vocab_size", -5, "vocab_size must be a positive integer, got -5"),
 ])

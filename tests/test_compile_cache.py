@@ -4,6 +4,7 @@ set before anything compiles, shared by every process; a user's own settings win
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -104,3 +105,34 @@ def test_a_second_process_takes_the_first_ones_compiled_graph(tmp_path):
     assert first.get("fxgraph_cache_miss", 0) >= 1 and not first.get("fxgraph_cache_hit")
     assert second.get("fxgraph_cache_hit", 0) >= 1 and not second.get("fxgraph_cache_miss")
     assert any((tmp_path / "cache" / "compile").glob("*/inductor/fxgraph"))
+
+
+@pytest.mark.parametrize("value, needle", [
+    ("~nosuchuser-glmkit/x", "GLMKIT_CACHE_DIR='~nosuchuser-glmkit/x': "),
+    ("a\nb", "GLMKIT_CACHE_DIR='a\\nb': holds a line break or control character"),
+    ("FILE", "GLMKIT_CACHE_DIR: cannot make "),
+])
+def test_a_cache_dir_that_names_no_folder_is_refused_by_its_variable(clean_env, tmp_path, value, needle):
+    """Hostile pass 11: '~nosuchuser/x' was an internal error (exit 3) on every command that plans
+    kernels, a newline reached the C++ compiler, a file in the way was an errno without the variable."""
+    if value == "FILE":
+        (tmp_path / "afile").write_text("")
+        value = str(tmp_path / "afile")
+    clean_env.setenv("GLMKIT_CACHE_DIR", value)
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        Backends().plan(Target.of("cpu"))
+
+
+def test_an_unwritable_default_place_warns_and_leaves_the_tools_defaults(clean_env, tmp_path):
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / ".cache").write_text("")  # a file where the cache folder would go
+    with pytest.warns(UserWarning, match="compiled kernels are cached where each tool defaults to"):
+        assert Backends().plan(Target.of("cpu")).compile_cache is None
+    assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+
+
+def test_a_relative_cache_dir_is_made_absolute(clean_env, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    clean_env.setenv("GLMKIT_CACHE_DIR", "rel")
+    assert compile_cache.cache_root() == tmp_path / "rel"

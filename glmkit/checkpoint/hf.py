@@ -202,6 +202,11 @@ def _check_sizes(config, file: Path) -> None:
         raise CheckpointError(f"{file}: pad_token_id must be a token id below vocab_size {config.vocab_size} "
                               f"(or null), got {pad!r}")
     _check_expert_groups(config, file)
+    for name in ("layer_types", "mlp_layer_types", "indexer_types"):  # one entry a layer, as the reference reads
+        listed = getattr(config, name, None)
+        if isinstance(listed, (list, tuple)) and len(listed) != config.num_hidden_layers:
+            raise CheckpointError(f"{file}: {name} lists {len(listed)} layers and num_hidden_layers is "
+                                  f"{config.num_hidden_layers}; give one entry a layer")
     limit = getattr(config, "swiglu_limit", None)
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, float))
                               or not math.isfinite(limit) or limit <= 0 or limit > FLOAT32_MAX):

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from glmkit.commands.args import (DTYPES, DEVICES, _finite, _positive, _seed, _non_negative, _gpu_fraction,
+from glmkit.commands.args import (DTYPES, DEVICES, _finite, _finite_positive, _positive, _seed, _non_negative, _gpu_fraction,
                                   _print_verdict)
 
 
@@ -197,7 +197,7 @@ def add_commands(sub) -> None:
                                          "through --extra-args (the launcher has no option for it)")
     p.add_argument("--input-key", help="miles, with --prompt-data: the prompt field (default prompt)")
     p.add_argument("--label-key", help="miles, with --prompt-data: the label field (default label)")
-    p.add_argument("--gpu-memory-gib", type=_finite, help="per-GPU memory for the memory check (default: the inventory's)")
+    p.add_argument("--gpu-memory-gib", type=_finite_positive, help="per-GPU memory for the memory check (default: the inventory's)")
     p.add_argument("--max-tokens-per-gpu", type=_positive,
                    help="miles: passed through --extra-args (default: the launcher's, 8192; LoRA 16384)")
     p.add_argument("--decoder-first-pipeline-num-layers", type=_positive,

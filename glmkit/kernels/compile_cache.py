@@ -32,11 +32,18 @@ TOOL_DIRS = {"TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton"
 
 
 def cache_root() -> Path:
-    """glmkit's cache folder for this user (see the module docstring)."""
-    if os.environ.get("GLMKIT_CACHE_DIR"):
-        return Path(os.environ["GLMKIT_CACHE_DIR"]).expanduser()
-    if os.environ.get("XDG_CACHE_HOME"):
-        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "glmkit"
+    """glmkit's cache folder for this user (see the module docstring), as an absolute path. A value
+    that cannot name a folder is refused by the variable's name."""
+    for variable, below in (("GLMKIT_CACHE_DIR", ""), ("XDG_CACHE_HOME", "glmkit")):
+        value = os.environ.get(variable)
+        if value:
+            if not value.isprintable():
+                raise ValueError(f"{variable}={value!r}: holds a line break or control character; give a folder path")
+            try:
+                root = Path(value).expanduser()
+            except RuntimeError as err:  # ~user that does not exist
+                raise ValueError(f"{variable}={value!r}: {err}; give a folder path") from None
+            return Path(os.path.abspath(root / below))
     return Path.home() / ".cache" / "glmkit"
 
 
@@ -66,6 +73,18 @@ def use_compile_cache() -> Path | None:
     if os.environ.get("GLMKIT_COMPILE_CACHE", "").strip().lower() in OFF:
         return None
     directory = compile_cache_dir()
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as err:  # a file in the way, a folder this user cannot write
+        why = f"cannot make {directory} ({err.strerror or err})"
+        if os.environ.get("GLMKIT_CACHE_DIR"):  # the user's choice: refused by its name
+            raise ValueError(f"GLMKIT_CACHE_DIR: {why}; point it at a folder you can write, or set "
+                             f"GLMKIT_COMPILE_CACHE=off") from None
+        import warnings  # the default place (a read-only home): each tool keeps its own default instead
+
+        warnings.warn(f"compile cache: {why}; compiled kernels are cached where each tool defaults to "
+                      f"(set GLMKIT_CACHE_DIR to keep them)", stacklevel=2)
+        return None
     if os.environ.get("TORCHINDUCTOR_CACHE_DIR") == _inductor_default():
         del os.environ["TORCHINDUCTOR_CACHE_DIR"]  # torch's default, written by an import, not a user's choice
     for variable, sub in TOOL_DIRS.items():

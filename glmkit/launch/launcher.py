@@ -236,7 +236,12 @@ def parse_extra_env_vars(text: str) -> dict:
     except (ValueError, RecursionError):  # not JSON (or nested past Python's stack): read as K=V pairs
         value = None
     if isinstance(value, dict):
-        return {str(k): str(v) for k, v in value.items()}
+        env = {str(k): str(v) for k, v in value.items()}
+        bad = next((k for k in env if not k or "=" in k or "\0" in k or not k.isprintable()), None)
+        if bad is not None:  # the process environment cannot hold such a name
+            raise ValueError(f"--extra-env-vars: {bad!r} is not an environment variable name (non-empty, no '=', "
+                             f"no control characters)")
+        return env
     env = {}
     for pair in text.split():
         key, sep, val = pair.partition("=")
