@@ -37,10 +37,11 @@ CKPT = ROOT / "glmkit" / "assets" / "tiny_start"
 class Server:
     """`python -m glmkit serve` in its own process; .url once it listens."""
 
-    def __init__(self, *extra, port=0, checkpoint=CKPT, env=None):
+    def __init__(self, *extra, port=0, checkpoint=CKPT, env=None, preexec_fn=None):
         self.proc = subprocess.Popen([sys.executable, "-m", "glmkit", "serve", "--checkpoint", str(checkpoint),
                                       "--port", str(port), *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+                                     text=True, cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+                                     preexec_fn=preexec_fn)
         line = ""
         deadline = time.time() + 120
         while time.time() < deadline:
@@ -867,6 +868,78 @@ def test_sigterm_during_generation_answers_503_and_exits_143_with_one_line():
     assert "the server is shutting down" in answers[0].json()["error"]["message"]
     assert "Traceback" not in output and "terminate called" not in output, output[-3000:]
     assert output.strip().splitlines()[-1].startswith("glmkit serve: terminated"), output[-500:]
+
+
+def test_sigterm_names_the_shutdown_to_streams_waiting_updates_and_a_step_past_the_grace(tmp_path):
+    """Hostile pass 11: a stream ended like an ordinary abort, a weight update waiting behind the batch
+    got a 500 and a traceback, and a teacher-forced prompt whose one forward outlasted the 5 s grace
+    got a 500 and the process a SIGABRT (134). Now: the stream's last event names the shutdown, the
+    update answers 503 with success false, the long step's request answers 503 and the process exits
+    143 with one line."""
+    server = Server("--allow-updates-from", str(CKPT.parent), "--max-context", "40000")
+    answers = {}
+
+    def ask(name, path, body, **kw):
+        answers[name] = requests.post(server.url + path, json=body, timeout=120, **kw)
+
+    try:
+        stream = threading.Thread(target=ask, args=("stream", "/generate", {
+            "input_ids": [1, 2, 3], "stream": True, "sampling_params": {"max_new_tokens": 30000, "ignore_eos": True}}),
+            daemon=True)
+        stream.start()
+        time.sleep(1.0)
+        update = threading.Thread(target=ask, args=("update", "/update_weights_from_disk", {"model_path": str(CKPT)}),
+                                  daemon=True)
+        update.start()
+        time.sleep(1.5)
+        server.proc.terminate()
+        code = server.proc.wait(30)
+        stream.join(30)
+        update.join(30)
+    finally:
+        if server.proc.poll() is None:
+            server.kill()
+    output = "".join(server.output)
+    assert code == 143 and "Traceback" not in output, output[-3000:]
+    events = [line for line in answers["stream"].text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and "the server is shutting down" in events[-2], events[-3:]
+    assert answers["update"].status_code == 503 and answers["update"].json()["success"] is False
+
+    long_server = Server("--max-context", "40000")
+    try:
+        prompt = {"input_ids": list(range(3, 900)) * 33, "sampling_params": {"max_new_tokens": 0},
+                  "return_logprob": True, "logprob_start_len": 0}
+        forward = threading.Thread(target=lambda: answers.update(
+            long=requests.post(long_server.url + "/generate", json=prompt, timeout=120)), daemon=True)
+        forward.start()
+        time.sleep(2.0)  # inside its one forward of 29601 tokens (over 10 s on two cores)
+        long_server.proc.terminate()
+        code = long_server.proc.wait(60)
+        forward.join(30)
+    finally:
+        if long_server.proc.poll() is None:
+            long_server.kill()
+    output = "".join(long_server.output)
+    assert code == 143, output[-3000:]
+    assert answers["long"].status_code == 503, answers["long"].text[:300]
+    assert "Traceback" not in output and "terminate called" not in output and "ERROR" not in output, output[-3000:]
+
+
+def test_a_sigint_the_server_was_started_to_ignore_is_ignored():
+    """Hostile pass 11: started in the background of a script (SIGINT ignored, as bash does), the
+    server stopped on SIGINT with exit 0 and no line: uvicorn took the signal over."""
+    import signal
+
+    server = Server(preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        server.proc.send_signal(signal.SIGINT)
+        time.sleep(1.0)
+        assert server.proc.poll() is None and requests.get(server.url + "/health", timeout=5).status_code == 200
+        server.proc.terminate()
+        assert server.proc.wait(30) == 143
+    finally:
+        if server.proc.poll() is None:
+            server.kill()
 
 
 @pytest.mark.parametrize("flag, value, needle", [

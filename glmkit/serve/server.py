@@ -20,11 +20,15 @@ from __future__ import annotations
 import asyncio
 import base64
 import itertools
+import os
 import errno
 import json
+import logging
 import re
 import resource
+import signal
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -709,6 +713,7 @@ class Batcher:
         self.loop = None
         self.stopped = False
         self.closing = False  # SIGTERM: running requests are ended and answered 503, new ones refused
+        self.exit_signal = None  # the signal that began the shutdown
         self.thread = threading.Thread(target=self._work, name="glmkit-engine", daemon=True)
 
     def start(self):
@@ -725,6 +730,12 @@ class Batcher:
         and the worker leaves once the batch has drained, so no thread is inside the model at exit."""
         self.closing = True
         self.abort(None, True)
+        with self.cond:
+            calls = [it for it in self.pending if isinstance(it, _Call)]
+            for call in calls:
+                self.pending.remove(call)
+        for call in calls:  # a weight update still waiting for the batch to drain
+            self._settle(call.future, error=RequestError(SHUTTING_DOWN, status=503))
         self.stop()
 
     def join(self, timeout_s: float) -> bool:
@@ -755,6 +766,8 @@ class Batcher:
 
     async def call(self, fn, *args):
         """Run fn on the worker thread, between batches (or between steps while paused)."""
+        if self.closing:
+            raise RequestError(SHUTTING_DOWN, status=503)
         future = self.loop.create_future()
         with self.cond:
             self.pending.append(_Call(fn, args, future))
@@ -1007,7 +1020,14 @@ def build_app(service: EngineService, window_s: float = 0.005, max_body: int = D
         yield
         batcher.shutdown()
         if not await asyncio.to_thread(batcher.join, SHUTDOWN_GRACE_S):
-            warnings.warn(f"the engine's worker was still inside a step after {SHUTDOWN_GRACE_S:g} s at shutdown")
+            # a step longer than the grace (a long prompt's prefill) still runs on the worker: the
+            # interpreter's exit under it would abort the process (SIGABRT); leave without waiting
+            sig = batcher.exit_signal or signal.SIGTERM
+            how = "terminated" if sig == signal.SIGTERM else "interrupted"
+            print(f"glmkit serve: {how} (the engine was inside a step longer than the {SHUTDOWN_GRACE_S:g} s "
+                  f"grace; its request was answered 503)", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(128 + sig)
 
     # no /docs or /redoc: FastAPI's pages load their scripts from a CDN (the schema stays at /openapi.json)
     app = FastAPI(title="glmkit serve (SGLang native API)", lifespan=lifespan, docs_url=None, redoc_url=None)
@@ -1064,7 +1084,7 @@ def build_app(service: EngineService, window_s: float = 0.005, max_body: int = D
         try:
             return outcome(True, await work(*args), **extra)
         except RequestError as err:
-            return outcome(False, str(err), **extra)
+            return outcome(False, str(err), err.status, **extra)
         except Exception as err:  # noqa: BLE001 - a failed transfer or allocation: the weights are unchanged
             return outcome(False, f"{type(err).__name__}: {err}", **extra)
 
@@ -1143,7 +1163,10 @@ def build_app(service: EngineService, window_s: float = 0.005, max_body: int = D
         futures = batcher.submit(items)
         gathered = asyncio.gather(*futures)
         while True:  # a client that goes away has its requests cancelled
-            done, _ = await asyncio.wait({gathered}, timeout=0.25)
+            try:
+                done, _ = await asyncio.wait({gathered}, timeout=0.25)
+            except asyncio.CancelledError:  # the shutdown's grace ran out inside one long step
+                return JSONResponse({"error": {"message": SHUTTING_DOWN}}, status_code=503)
             if done:
                 break
             if await request.is_disconnected():
@@ -1187,6 +1210,8 @@ def build_app(service: EngineService, window_s: float = 0.005, max_body: int = D
                     if batched:
                         chunk = {**chunk, "index": i}
                     yield f"data: {json.dumps(chunk)}\n\n"
+            if batcher.closing:  # the last chunks say "abort": say why, as a stream's error chunk does
+                yield f"data: {json.dumps({'error': {'message': SHUTTING_DOWN, 'type': 'service_unavailable', 'code': 503, 'retryable': True}})}\n\n"
             yield "data: [DONE]\n\n"
         finally:
             for q in queues.values():
@@ -1512,8 +1537,14 @@ def serve(checkpoint, host: str = "127.0.0.1", port: int = 30000, device: str = 
                             timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
     batcher = app.state.batcher
 
+    sigint_ignored = signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # a background job of a script: nohup-like
+
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame):
+            if sig == signal.SIGINT and sigint_ignored:
+                return  # uvicorn would stop on a signal the process was started to ignore
+            batcher.exit_signal = batcher.exit_signal or sig
+            logging.getLogger("uvicorn.error").setLevel(logging.CRITICAL)  # the shutdown's own line says it all
             # end the running requests now: the graceful wait then ends at their next step, with answers
             if batcher.loop is not None:
                 batcher.loop.call_soon_threadsafe(batcher.shutdown)
