@@ -7,6 +7,7 @@ sys.modules.setdefault("fla", None)
 
 import http.server
 import json
+import re
 import threading
 import time
 
@@ -234,8 +235,8 @@ class _QuietServer(http.server.ThreadingHTTPServer):
         pass  # a client hanging up on an endless answer is the point, not a fault to print
 
 
-def _hostile_server(mode: str, **attrs):
-    handler = type(f"_{mode}", (_HostileHandler,), {"mode": mode, **attrs})
+def _hostile_server(mode: str, base=None, **attrs):
+    handler = type(f"_{mode}", (base or _HostileHandler,), {"mode": mode, **attrs})
     httpd = _QuietServer(("127.0.0.1", 0), handler)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     return httpd
@@ -275,3 +276,59 @@ def test_a_hostile_server_is_one_line_and_nothing_leaves_for_another_host(mode, 
     assert len(errors) == 1 and message in errors[0], err
     assert target.RequestHandlerClass.caught == []
     assert time.monotonic() - start < 30
+
+
+class _WrongShapeHandler(_JSONHandler):
+    """Valid JSON of the wrong shape, per endpoint (hostile pass 11): `answers` maps a path to a body."""
+
+    answers: dict = {}
+
+    def do_GET(self):
+        self._send(json.dumps(self.answers.get(self.path, {})).encode())
+
+    def do_POST(self):
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self.do_GET()
+
+
+@pytest.mark.parametrize("answers, call, needle", [
+    ({"/get_model_info": [1, 2, 3]}, "model_info", "/get_model_info: expected a JSON object, got list"),
+    ({"/get_server_info": None}, "server_info", "/get_server_info: expected a JSON object, got NoneType"),
+    ({"/update_weights_from_tensor": [1, 2, 3]}, "update", "expected a JSON object, got list"),
+    ({"/update_weights_from_tensor": {"message": "?"}}, "update", "no success true in the answer"),
+    ({"/generate": {"meta_info": {}}}, "batch", "no list of answers for a batch of 2"),
+    ({"/generate": [{"meta_info": {}}]}, "batch", "1 answers for a batch of 2 inputs"),
+    ({"/generate": [7, 8]}, "batch", "answer 0 is not an object with meta_info"),
+    ({"/get_server_info": {"max_running_requests": -1}}, "rollout", "max_running_requests '-1'; expected a positive integer or null"),
+    ({"/generate": [{"meta_info": {"output_token_logprobs": [[-0.1, 5]], "finish_reason": None}}] * 2}, "rollout",
+     "/generate: answer 0 cannot be read (TypeError"),
+    ({"/generate": [{"meta_info": {"output_token_logprobs": [[-0.1, 5]], "finish_reason": {"type": "length"},
+                                   "routed_experts": "%%%not base64"}}] * 2}, "rollout", "/generate: answer 0 cannot be read"),
+])
+def test_valid_json_of_the_wrong_shape_is_named_by_server_and_endpoint(answers, call, needle):
+    """An answer that parses but is not what SGLang sends (a list where an object goes, one answer for
+    a batch of two, a null finish_reason, routing that is not base64) was an internal error (exit 3),
+    a wrong verdict, or, for a weight update, taken as success. Each is an SGLangError (exit 2)."""
+    from glmkit.model import load_model
+    from glmkit.model.rollout import SamplingParams
+    from glmkit.serve.client import SGLangError, SGLangRollout
+
+    server = _hostile_server("wrong", _WrongShapeHandler, answers=answers)
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    client = SGLangClient(url, retries=0, timeout_s=10)
+    try:
+        with pytest.raises(SGLangError, match=re.escape(needle)):
+            if call == "model_info":
+                client.model_info()
+            elif call == "server_info":
+                client.server_info()
+            elif call == "update":
+                client.update_weights_from_tensor({"w": torch.zeros(2)})
+            elif call == "batch":
+                client.generate(input_ids=[[1, 2], [3, 4]])
+            else:
+                rollout = SGLangRollout(url, policy=load_model(CKPT), retries=0, timeout_s=10)
+                rollout.generate([[1, 2], [3, 4]], SamplingParams(max_new_tokens=1), seed=0)
+    finally:
+        server.shutdown()
+        server.server_close()

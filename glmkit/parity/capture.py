@@ -164,7 +164,8 @@ def capture_sglang(url: str, sequences, model_config, **manifest) -> Capture:
     max_new_tokens 0, logprob_start_len 0, routed experts and DSA selections. Its sites: `logprobs`
     (row t: log-prob of token t+1; 0 on each sequence's last row), `router_experts` per MoE layer and
     `indexer_topk` per DSA layer (what the server reports; no hidden states)."""
-    from glmkit.serve.client import SGLangClient, decode_indexer_topk, decode_routed_experts, model_layers
+    from glmkit.serve.client import (SGLangClient, answer_read, decode_indexer_topk, decode_routed_experts,
+                                     model_layers)
 
     seqs = [list(map(int, s)) for s in sequences]
     input_ids, packed = pack(seqs)
@@ -181,19 +182,20 @@ def capture_sglang(url: str, sequences, model_config, **manifest) -> Capture:
                               return_indexer_topk=True)
     num_layers, moe, dsa = model_layers(model_config)
     logprobs = torch.zeros(packed.num_tokens)
-    for seq, (s, e), answer in zip(seqs, packed.bounds(), answers):
-        meta = answer["meta_info"]
-        given = [lp for lp, *_ in meta["input_token_logprobs"]][:len(seq)]
-        if len(given) != len(seq):
-            raise ValueError(f"{url}: {len(given)} input log-probs for a sequence of {len(seq)} tokens")
-        logprobs[s:e - 1] = torch.tensor(given[1:], dtype=torch.float32)
-        rows = torch.arange(s, e)
-        if "routed_experts" in meta:
-            for layer, values in decode_routed_experts(meta, len(seq), num_layers, moe).items():
-                sink.put(layer, "router_experts", values, rows)
-        if "indexer_topk" in meta and dsa:
-            for layer, values in decode_indexer_topk(meta, len(seq), dsa).items():
-                sink.put(layer, "indexer_topk", values, rows)
+    for i, (seq, (s, e), answer) in enumerate(zip(seqs, packed.bounds(), answers)):
+        with answer_read(url, i):
+            meta = answer["meta_info"]
+            given = [lp for lp, *_ in meta["input_token_logprobs"]][:len(seq)]  # the first is null (no context)
+            if len(given) != len(seq):
+                raise ValueError(f"{len(given)} input log-probs for a sequence of {len(seq)} tokens")
+            logprobs[s:e - 1] = torch.tensor([float(lp) for lp in given[1:]], dtype=torch.float32)
+            rows = torch.arange(s, e)
+            if "routed_experts" in meta:
+                for layer, values in decode_routed_experts(meta, len(seq), num_layers, moe).items():
+                    sink.put(layer, "router_experts", values, rows)
+            if "indexer_topk" in meta and dsa:
+                for layer, values in decode_indexer_topk(meta, len(seq), dsa).items():
+                    sink.put(layer, "indexer_topk", values, rows)
     sink.put(None, "logprobs", logprobs)
     return capture
 

@@ -9,6 +9,8 @@ reason.
 from __future__ import annotations
 
 import base64
+import binascii
+import contextlib
 import http.client
 import json
 import os
@@ -134,10 +136,18 @@ class SGLangClient:
         raise AssertionError("unreachable")
 
     def _update(self, path: str, body: dict) -> dict:
-        """A weight-update call: SGLang answers {"success", "message"}; success false is an error."""
-        answer = self._call("POST", path, body)
-        if isinstance(answer, dict) and answer.get("success") is False:
-            raise SGLangError(f"{self.url}{path}: {answer.get('message')}")
+        """A weight-update call: SGLang answers {"success", "message"}; success false is an error, and
+        an answer without `success` true is not taken for one."""
+        answer = self._object(self._call("POST", path, body), path)
+        if answer.get("success") is not True:
+            raise SGLangError(f"{self.url}{path}: " + (str(answer.get("message"))[:500] if answer.get("success") is False
+                                                       else f"no success true in the answer ({str(answer)[:200]})"))
+        return answer
+
+    def _object(self, answer, path: str) -> dict:
+        if not isinstance(answer, dict):
+            raise SGLangError(f"{self.url}{path}: expected a JSON object, got {type(answer).__name__} "
+                              f"({str(answer)[:100]})")
         return answer
 
     # ---- endpoints -----------------------------------------------------------------------------
@@ -150,17 +160,28 @@ class SGLangClient:
         return True
 
     def model_info(self) -> dict:
-        return self._call("GET", "/get_model_info")
+        return self._object(self._call("GET", "/get_model_info"), "/get_model_info")
 
     def server_info(self) -> dict:
-        return self._call("GET", "/get_server_info")
+        return self._object(self._call("GET", "/get_server_info"), "/get_server_info")
 
     def generate(self, input_ids=None, text=None, sampling_params: dict | list | None = None, **options):
         """One input (a token list or a string) or a batch (a list of them) -> one answer or a list.
         options: return_logprob, logprob_start_len, return_routed_experts, return_indexer_topk, rid."""
         body = {k: v for k, v in dict(input_ids=input_ids, text=text, sampling_params=sampling_params,
                                       **options).items() if v is not None}
-        return self._call("POST", "/generate", body)
+        answer = self._call("POST", "/generate", body)
+        given = input_ids if input_ids is not None else text
+        batched = isinstance(given, list) and (not given or not isinstance(given[0], int))
+        answers = answer if batched and isinstance(answer, list) else [answer]
+        if batched and (not isinstance(answer, list) or len(answer) != len(given)):
+            raise SGLangError(f"{self.url}/generate: {len(answer) if isinstance(answer, list) else 'no list of'} "
+                              f"answers for a batch of {len(given)} inputs")
+        for i, one in enumerate(answers):
+            if not isinstance(one, dict) or not isinstance(one.get("meta_info"), dict):
+                raise SGLangError(f"{self.url}/generate: answer {i} is not an object with meta_info "
+                                  f"({str(one)[:100]})")
+        return answer
 
     def flush_cache(self) -> str:
         return self._call("POST", "/flush_cache", json_answer=False)
@@ -272,6 +293,18 @@ class SGLangClient:
         return self._call("POST", "/continue_generation", {})
 
 
+@contextlib.contextmanager
+def answer_read(url: str, index: int, path: str = "/generate"):
+    """Reading one answer of a batch: a field missing or of the wrong kind is the server's answer at
+    fault, named with the server and the answer's index (exit 2), not an internal error."""
+    try:
+        yield
+    except SGLangError:
+        raise
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError, binascii.Error, OverflowError) as err:
+        raise SGLangError(f"{url}{path}: answer {index} cannot be read ({type(err).__name__}: {str(err)[:200]})") from None
+
+
 def error_text(text: str) -> str:
     """The reason in any of SGLang's error bodies: {"error": "..."}, {"error": {"message"}},
     {"object": "error", "message"}, {"success": false, "message"}, or plain text."""
@@ -369,8 +402,6 @@ class SGLangRollout:
         self.max_batch = None
 
     def generate(self, prompt_ids, params, seed: int):
-        from glmkit.model.rollout import Completion
-
         # the framework's sampling dict; each sequence its own seed (the framework: rollout seed + index)
         sampling = [{"temperature": params.temperature, "top_p": params.top_p, "top_k": -1,
                      "max_new_tokens": params.max_new_tokens, "stop": None,
@@ -378,7 +409,11 @@ class SGLangRollout:
                      "no_stop_trim": True, "spaces_between_special_tokens": False,
                      "sampling_seed": (seed * 1_000_003 + i) % (1 << 63)} for i in range(len(prompt_ids))]
         if self.max_batch is None:  # SGLang's /server_info states max_running_requests (may be null)
-            self.max_batch = int(self.client.server_info().get("max_running_requests") or len(prompt_ids) or 1)
+            given = self.client.server_info().get("max_running_requests")
+            if given is not None and (not isinstance(given, int) or isinstance(given, bool) or given < 1):
+                raise SGLangError(f"{self.client.url}/get_server_info: max_running_requests {str(given)[:40]!r}; "
+                                  f"expected a positive integer or null")
+            self.max_batch = given or len(prompt_ids) or 1
         answers = []
         for start in range(0, len(prompt_ids), self.max_batch):
             chunk = [list(map(int, p)) for p in prompt_ids[start:start + self.max_batch]]
@@ -388,18 +423,24 @@ class SGLangRollout:
             raise ValueError("SGLangRollout needs the policy model (bind) to read the layers of routed experts")
         num_layers, moe, dsa = model_layers(self.policy.config)
         completions = []
-        for prompt, answer in zip(prompt_ids, answers):
-            meta = answer["meta_info"]
-            pairs = meta.get("output_token_logprobs") or []  # tokens as the framework reads them
-            tokens = [int(t) for _, t, *_ in pairs]
-            rows = len(prompt) + len(tokens) - 1
-            routing = decode_routed_experts(meta, rows, num_layers, moe) if "routed_experts" in meta else {}
-            topk = ({k: v.to(torch.int32) for k, v in decode_indexer_topk(meta, rows, dsa).items()}
-                    if "indexer_topk" in meta else {})
-            completions.append(Completion(prompt=list(map(int, prompt)), tokens=tokens,
-                                          logprobs=[float(lp) for lp, *_ in pairs],
-                                          finish_reason=meta["finish_reason"]["type"], routing=routing, topk=topk))
+        for i, (prompt, answer) in enumerate(zip(prompt_ids, answers)):
+            with answer_read(self.client.url, i):
+                completions.append(self._completion(prompt, answer["meta_info"], num_layers, moe, dsa))
         return completions
+
+    @staticmethod
+    def _completion(prompt, meta: dict, num_layers: int, moe, dsa):
+        """One answer's meta_info as the Completion the trainer reads."""
+        from glmkit.model.rollout import Completion
+
+        pairs = meta.get("output_token_logprobs") or []  # tokens as the framework reads them
+        tokens = [int(t) for _, t, *_ in pairs]
+        rows = len(prompt) + len(tokens) - 1
+        routing = decode_routed_experts(meta, rows, num_layers, moe) if "routed_experts" in meta else {}
+        topk = ({k: v.to(torch.int32) for k, v in decode_indexer_topk(meta, rows, dsa).items()}
+                if "indexer_topk" in meta else {})
+        return Completion(prompt=list(map(int, prompt)), tokens=tokens, logprobs=[float(lp) for lp, *_ in pairs],
+                          finish_reason=meta["finish_reason"]["type"], routing=routing, topk=topk)
 
     def bind(self, policy):
         """The trainer's model, whose base weights the LoRA adapters merge into (GRPOTrainer calls this).
