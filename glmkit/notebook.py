@@ -488,6 +488,34 @@ def _check_parameter_names(notebook: Path, parameters: dict) -> None:
         names = list(declared)
         listed = ", ".join(names[:40]) + (f", ... ({len(names)} in all)" if len(names) > 40 else "")
         raise ValueError(f"-p {shown}: not a parameter of {notebook.name}; its parameters: {listed}")
+    for name, value in parameters.items():
+        _check_parameter_type(notebook, name, value, declared[name])
+
+
+def _check_parameter_type(notebook: Path, name: str, value, default_source: str) -> None:
+    """A value of the kind the parameters cell's default has (a number where a number goes, finite;
+    true/false where a flag goes), so a wrong one is refused by name before a kernel starts, not a
+    TypeError deep in the notebook. A default of None (or one that is not a literal) takes anything."""
+    import ast
+    import math
+
+    try:
+        default = ast.literal_eval(default_source)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return
+    if default is None:
+        return
+    kinds = {bool: (bool,), int: (int,), float: (int, float), str: (str,), list: (list,), dict: (dict,)}
+    wanted = kinds.get(type(default))
+    if wanted is None:
+        return
+    shown = json.dumps(value)[:60] if not isinstance(value, float) else repr(value)
+    if not isinstance(value, wanted) or (type(default) is not bool and isinstance(value, bool)):
+        kind = {bool: "true or false", int: "an integer", float: "a number", str: "a text", list: "a JSON list",
+                dict: "a JSON object"}[type(default)]
+        raise ValueError(f"-p {name} {shown}: {notebook.name} expects {kind} (its default is {default_source[:60]})")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"-p {name} {shown}: must be a finite number")
 
 
 def _claim(path: Path, notebook: Path) -> None:

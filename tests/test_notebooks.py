@@ -376,7 +376,10 @@ def test_notebooks_papermill_or_nbconvert_cannot_take_are_refused_before_running
     for notebook, extra, needle in (
             (attach, [], "markdown cell 3 shows attachment:missing.png, which the cell does not hold"),
             (lang, [], "its language_info.name is 'cobol-9000'; glmkit report runs Python notebooks"),
-            (plain, ["-p", "message", "7" * 5000], "a parameter value holds an integer of more than 4300 digits")):
+            (plain, ["-p", "message", "7" * 5000], "a parameter value holds an integer of more than 4300 digits"),
+            # hostile pass 11: a value of another kind than the default's failed deep in the notebook (exit 1)
+            (plain, ["-p", "message", "[1]"], "-p message [1]: plain.ipynb expects a text (its default is 'hi')"),
+            (plain, ["-p", "message", "1e400"], "-p message inf: plain.ipynb expects a text")):
         assert cli_main(["report", str(notebook), "--out", str(tmp_path / "out"), *extra]) == 2
         err = capsys.readouterr().err
         assert needle in err and "internal error" not in err
