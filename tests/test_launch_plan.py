@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -374,3 +375,15 @@ def test_a_run_id_that_leaves_the_save_dir_is_refused(capsys):
         assert main(["launch", "--dry-run", "--run-id", run_id]) == 2
         err = capsys.readouterr().err
         assert f"--run-id {run_id!r}: a run id is one folder name under --save-dir" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("address, reason", [("http://[::1", "Invalid IPv6 URL"), ("http://h:99999", "Port out of range"),
+                                             ("ftp://h:8265", None)])
+def test_a_ray_address_urllib_cannot_parse_is_named(address, reason):
+    """Hostile pass 11: `launch --address 'http://[::1' --attach` was an internal error (exit 3)."""
+    from glmkit.launch.cluster import ClusterUnreachable, _check_address
+
+    needle = f"{address!r} is not a Ray address" + (f" ({reason}" if reason else "; use http://HOST:8265")
+    with pytest.raises(ClusterUnreachable, match=re.escape(needle)):
+        _check_address(address)
+    assert _check_address("ray://head:10001") == ("ray", "head", 10001)

@@ -233,12 +233,15 @@ def _head_alive(dashboard: str) -> bool:
 
 
 def _check_address(address: str) -> tuple[str, str, int]:
-    parsed = urlparse(address)
+    usage = "use http://HOST:8265 (Jobs API) or ray://HOST:10001 (Ray Client)"
+    try:  # urllib refuses a broken IPv6 bracket or a port past 65535 with its own ValueError
+        parsed = urlparse(address)
+        port = parsed.port
+    except ValueError as err:
+        raise ClusterUnreachable(f"{address!r} is not a Ray address ({err}); {usage}") from None
     if parsed.scheme not in ("http", "https", "ray") or not parsed.hostname:
-        raise ClusterUnreachable(f"{address!r} is not a Ray address; use http://HOST:8265 (Jobs API) "
-                                 f"or ray://HOST:10001 (Ray Client)")
-    port = parsed.port or (10001 if parsed.scheme == "ray" else 8265)
-    return parsed.scheme, parsed.hostname, port
+        raise ClusterUnreachable(f"{address!r} is not a Ray address; {usage}")
+    return parsed.scheme, parsed.hostname, port or (10001 if parsed.scheme == "ray" else 8265)
 
 
 def connect(address: str, retries: int = 5, delay: float = 2.0):
