@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from glmkit.commands.args import (DTYPES, DEVICES, _finite, _finite_positive, _positive, _seed, _non_negative, _gpu_fraction,
+from glmkit.commands.args import (DTYPES, DEVICES, _finite_positive, _positive, _seed, _non_negative, _gpu_fraction,
                                   _print_verdict)
 
 
