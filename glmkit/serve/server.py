@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import itertools
-import os
 import errno
+import itertools
 import json
 import logging
+import os
 import re
 import resource
 import signal
