@@ -843,34 +843,40 @@ def test_joins_whose_trainer_never_comes_leave_the_server_serving_and_stoppable(
             server.kill()
 
 
+def terminate_during(server: Server, body: dict, after_s: float, path: str = "/generate"):
+    """SIGTERM `server` `after_s` seconds into a POST of `body` -> (exit code, the answer or None, what
+    the server printed)."""
+    answers = []
+    client = threading.Thread(target=lambda: answers.append(requests.post(server.url + path, json=body, timeout=120)),
+                              daemon=True)
+    client.start()
+    time.sleep(after_s)
+    try:
+        server.proc.terminate()
+        code = server.proc.wait(60)
+        client.join(30)
+    finally:
+        if server.proc.poll() is None:
+            server.kill()
+    return code, (answers[0] if answers else None), "".join(server.output)
+
+
 def test_sigterm_during_generation_answers_503_and_exits_143_with_one_line():
     """Hostile pass 10: SIGTERM while a request generates ended the process with SIGABRT (134; the
     worker thread was still inside the model at the interpreter's exit), the client got a bare 500 and
     stderr a traceback per request. Now the running requests end at their next step and are answered
     503 naming the shutdown, the worker leaves before the process exits, and the exit is SIGTERM's 143."""
-    server = Server()
-    try:
-        answers = []
-        body = {"input_ids": [[1, 2, 3], [4, 5]], "sampling_params": {"max_new_tokens": 30000, "ignore_eos": True}}
-        client = threading.Thread(target=lambda: answers.append(requests.post(server.url + "/generate", json=body,
-                                                                              timeout=120)), daemon=True)
-        client.start()
-        time.sleep(2.0)  # generating by now (30000 tokens take minutes on the tiny model)
-        server.proc.terminate()
-        code = server.proc.wait(30)
-        client.join(30)
-    finally:
-        if server.proc.poll() is None:
-            server.kill()
-    output = "".join(server.output)
+    body = {"input_ids": [[1, 2, 3], [4, 5]], "sampling_params": {"max_new_tokens": 30000, "ignore_eos": True}}
+    # generating by then (30000 tokens take minutes on the tiny model)
+    code, answer, output = terminate_during(Server(), body, after_s=2.0)
     assert code == 143, output[-3000:]
-    assert answers and answers[0].status_code == 503, answers and answers[0].text
-    assert "the server is shutting down" in answers[0].json()["error"]["message"]
+    assert answer is not None and answer.status_code == 503, answer and answer.text
+    assert "the server is shutting down" in answer.json()["error"]["message"]
     assert "Traceback" not in output and "terminate called" not in output, output[-3000:]
     assert output.strip().splitlines()[-1].startswith("glmkit serve: terminated"), output[-500:]
 
 
-def test_sigterm_names_the_shutdown_to_streams_waiting_updates_and_a_step_past_the_grace(tmp_path):
+def test_sigterm_names_the_shutdown_to_streams_waiting_updates_and_a_step_past_the_grace():
     """Hostile pass 11: a stream ended like an ordinary abort, a weight update waiting behind the batch
     got a 500 and a traceback, and a teacher-forced prompt whose one forward outlasted the 5 s grace
     got a 500 and the process a SIGABRT (134). Now: the stream's last event names the shutdown, the
@@ -905,23 +911,12 @@ def test_sigterm_names_the_shutdown_to_streams_waiting_updates_and_a_step_past_t
     assert events[-1] == "data: [DONE]" and "the server is shutting down" in events[-2], events[-3:]
     assert answers["update"].status_code == 503 and answers["update"].json()["success"] is False
 
-    long_server = Server("--max-context", "40000")
-    try:
-        prompt = {"input_ids": list(range(3, 900)) * 33, "sampling_params": {"max_new_tokens": 0},
-                  "return_logprob": True, "logprob_start_len": 0}
-        forward = threading.Thread(target=lambda: answers.update(
-            long=requests.post(long_server.url + "/generate", json=prompt, timeout=120)), daemon=True)
-        forward.start()
-        time.sleep(2.0)  # inside its one forward of 29601 tokens (over 10 s on two cores)
-        long_server.proc.terminate()
-        code = long_server.proc.wait(60)
-        forward.join(30)
-    finally:
-        if long_server.proc.poll() is None:
-            long_server.kill()
-    output = "".join(long_server.output)
+    prompt = {"input_ids": list(range(3, 900)) * 33, "sampling_params": {"max_new_tokens": 0},
+              "return_logprob": True, "logprob_start_len": 0}
+    # inside its one forward of 29601 tokens by then (over 10 s on two cores)
+    code, answer, output = terminate_during(Server("--max-context", "40000"), prompt, after_s=2.0)
     assert code == 143, output[-3000:]
-    assert answers["long"].status_code == 503, answers["long"].text[:300]
+    assert answer is not None and answer.status_code == 503, answer and answer.text[:300]
     assert "Traceback" not in output and "terminate called" not in output and "ERROR" not in output, output[-3000:]
 
 
