@@ -23,6 +23,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import re
+import sys
 from pathlib import Path
 
 OFF = ("off", "0", "false", "no")
@@ -85,7 +86,8 @@ def use_compile_cache() -> Path | None:
         warnings.warn(f"compile cache: {why}; compiled kernels are cached where each tool defaults to "
                       f"(set GLMKIT_CACHE_DIR to keep them)", stacklevel=2)
         return None
-    if os.environ.get("TORCHINDUCTOR_CACHE_DIR") == _inductor_default():
+    chosen = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if chosen is not None and chosen == _inductor_default():
         del os.environ["TORCHINDUCTOR_CACHE_DIR"]  # torch's default, written by an import, not a user's choice
     for variable, sub in TOOL_DIRS.items():
         os.environ.setdefault(variable, str(directory / sub))
@@ -94,9 +96,8 @@ def use_compile_cache() -> Path | None:
 
 
 def _inductor_default() -> str | None:
-    """The folder inductor picks when no one chose one (`/tmp/torchinductor_<user>`)."""
-    try:
-        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-    except ImportError:  # a torch without it: then nothing is taken for its default
-        return None
-    return default_cache_dir()
+    """The folder inductor picks when no one chose one (`/tmp/torchinductor_<user>`), if inductor's
+    cache module is loaded: only that module writes its default into the environment, so when it is
+    not loaded a set TORCHINDUCTOR_CACHE_DIR is the user's (and importing it would cost a second)."""
+    module = sys.modules.get("torch._inductor.runtime.cache_dir_utils")
+    return module.default_cache_dir() if module is not None else None
