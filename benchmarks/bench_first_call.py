@@ -41,9 +41,45 @@ AUTOTUNED = re.compile(r"Triton autotuning for function (\S+?),?\s.*?finished af
 BACKENDS = "kda=fla,dsa=auto,moe=auto"
 
 
+def record_autotune_keys() -> list:
+    """Every Triton autotune's disk-cache lookup of this process, as a list that fills as they happen:
+    (function, hit, {part: sha256 prefix}) with the parts Triton hashes into the cache key (its own
+    build, the GPU backend, the function's source key, the cache-invalidating environment, the tuning
+    key, the configs), so a miss in a warm process names the part that moved since the cold one."""
+    import hashlib
+
+    from triton.runtime import autotuner
+
+    seen, original = [], autotuner.Autotuner.check_disk_cache
+
+    def digest(value) -> str:
+        return hashlib.sha256(str(value).encode()).hexdigest()[:12]
+
+    def check_disk_cache(self, tuning_key, configs, bench_fn):
+        from triton._C.libtriton import get_cache_invalidating_env_vars
+        from triton.compiler.compiler import make_backend, triton_key
+        from triton.runtime.driver import driver
+        from triton.runtime.jit import JITFunction
+
+        fn = self.fn
+        while not isinstance(fn, JITFunction):
+            fn = fn.fn
+        parts = {"triton": digest(triton_key()), "backend": digest(make_backend(driver.active.get_current_target()).hash()),
+                 "source": digest(fn.cache_key), "env": digest(sorted(get_cache_invalidating_env_vars().items())),
+                 "tuning_key": digest(tuning_key), "configs": digest([str(c) for c in configs])}
+        hit = original(self, tuning_key, configs, bench_fn)
+        seen.append({"function": fn.__name__, "hit": bool(hit), "parts": parts, "tuning_key": str(tuning_key)[:300]})
+        return hit
+
+    autotuner.Autotuner.check_disk_cache = check_disk_cache
+    return seen
+
+
 def child(path: str) -> dict:
     """Build the slice, then time the first and the second call of `path` (seconds, synchronised)."""
     import torch
+
+    autotunes = record_autotune_keys()
 
     from benchmarks.bench_gpu import build_glmkit, glmkit_forward, glmkit_train, token_batch
     from glmkit.config import variant_config
@@ -60,13 +96,17 @@ def child(path: str) -> dict:
     torch.cuda.synchronize()
     result = {"path": path, "build_s": time.perf_counter() - start}
     if path == "forward":
-        call = glmkit_forward(model, BACKENDS, token_batch(config.vocab_size, 1, 8192))
+        call = glmkit_forward(model, BACKENDS, token_batch(config.vocab_size, 1, int(os.environ.get("FIRST_CALL_T", 8192))))
     elif path == "train":
         call = glmkit_train(model, BACKENDS, token_batch(config.vocab_size, 1, 4096), False)
     else:
         call = decode_call(model, token_batch(config.vocab_size, 8, 512))
     result["first_s"] = timed(call)
     result["second_s"] = timed(call)
+    from triton import knobs
+
+    result["autotune_lookups"] = autotunes
+    result["triton_cache_dir"] = knobs.cache.dir
     from torch._dynamo.utils import compile_times, counters
 
     result["counters"] = {group: dict(counts) for group, counts in counters.items()
@@ -94,6 +134,24 @@ def decode_call(model, ids):
         if engine.can_graph():
             GraphedStep(engine, batch)(tokens)
     return call
+
+
+def autotune_misses(cold: list, warm: list) -> list[str]:
+    """Why each autotune the warm process ran again missed the disk cache: the parts of its cache key
+    that differ from the cold process's lookup of the same function."""
+    lines = []
+    for lookup in warm:
+        if lookup["hit"]:
+            continue
+        before = [c for c in cold if c["function"] == lookup["function"]]
+        if not before:
+            lines.append(f"autotune miss {lookup['function']}: not looked up in the cold process")
+            continue
+        best = min(before, key=lambda c: sum(c["parts"][k] != v for k, v in lookup["parts"].items()))
+        moved = [k for k, v in lookup["parts"].items() if best["parts"][k] != v]
+        lines.append(f"autotune miss {lookup['function']}: {'key parts moved: ' + ', '.join(moved) if moved else 'same key (the cold process did not store it)'}"
+                     f" (tuning key {lookup['tuning_key'][:120]})")
+    return lines
 
 
 def files_under(folder: Path) -> tuple[int, int]:
@@ -166,6 +224,10 @@ def main(argv=None):
                           f"({', '.join(row['autotuned_functions'])}); "
                           f"counters {json.dumps(row['counters'])}", flush=True)
                     print(textwrap.indent(row["compile_times"].strip(), "         "), flush=True)
+                    if state == "warm":
+                        cold = next((r for r in rows if r["path"] == path and r["cache"] == "cold"), {})
+                        for line in autotune_misses(cold.get("autotune_lookups", []), row["autotune_lookups"]):
+                            print("         " + line, flush=True)
                 else:
                     print(f"{path:8s} {state:5s} {row['status']}", flush=True)
                 tmp = out.with_suffix(".json.tmp")

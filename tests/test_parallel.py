@@ -16,8 +16,10 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shutil
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -29,13 +31,29 @@ from glmkit.rl.parallel import _buckets, decode_rollout, encode_rollout, share
 NOISE = ("train/train_rollout_logprob_abs_diff", "train/train_rollout_kl")
 
 
+# torch's gloo runtime has twice (in some hundred runs, on a loaded 2-core CI machine) aborted a rank
+# with this line from C++ and no Python error, while that rank waited in a broadcast; it has not
+# reproduced in 30 runs under load here. A run that ends so is made once more (with a warning that
+# the test summary shows); every other failure, and a second abort, fails the test. PYTHONFAULTHANDLER
+# prints each thread's Python stack should it happen again.
+GLOO_ABORT = "terminate called without an active exception"
+
+
 def train(tmp_path, name, ranks=None, extra=()):
     args = ["-m", "glmkit", "train", "--model-name", "tiny", "--num-rollout", "2", "--metrics-out",
             str(tmp_path / f"{name}.jsonl"), "--save", str(tmp_path / name), "--save-interval", "2", *extra]
     if ranks:
         args = ["-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-addr", "127.0.0.1",
                 "--master-port", str(free_port()), *args, "--data-parallel", "gloo"]
-    out = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=600)
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
+    out = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=600, env=env)
+    if ranks and out.returncode != 0 and GLOO_ABORT in out.stderr:
+        warnings.warn(f"a gloo rank aborted in torch ({GLOO_ABORT!r}); running {name} once more. Its output: "
+                      + out.stderr[-3000:])
+        shutil.rmtree(tmp_path / name, ignore_errors=True)
+        (tmp_path / f"{name}.jsonl").unlink(missing_ok=True)
+        args[args.index("--master-port") + 1] = str(free_port())
+        out = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=600, env=env)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     return out
 
