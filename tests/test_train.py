@@ -6,6 +6,7 @@ import dataclasses
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 import time
@@ -170,6 +171,32 @@ def test_resume_continues_the_same_run(tmp_path):
     history = rollout_rows(read_metrics(tmp_path / "b" / "metrics.jsonl"))
     assert [h["step"] for h in history] == [0, 1, 2, 3]
     assert [h["rollout/raw_reward"] for h in history] == [h["rollout/raw_reward"] for h in rollout_rows(straight)]
+
+
+def test_resume_refuses_a_data_file_whose_contents_changed_under_the_same_name(tmp_path):
+    """The run walks its prompts by seed; the same name holding other rows would silently walk others."""
+    from glmkit.rl.loop import PRESETS
+
+    data = tmp_path / "train.jsonl"
+    shutil.copy(PRESETS["tiny"]["prompt_data"], data)
+    cfg = tiny(tmp_path, num_rollout=1, rollout_batch_size=4, global_batch_size=32, prompt_data=str(data),
+               save=str(tmp_path / "ckpt"))
+    GRPOTrainer(cfg).run()
+    state = json.loads((tmp_path / "ckpt" / "iter_0000000" / "state.json").read_text())
+    assert len(state["inputs"]["prompt_data"]) == 64  # a sha256, hex
+    rows = data.read_text().splitlines()
+    data.write_text("\n".join(reversed(rows)) + "\n")  # the same rows, another order: other prompts per step
+    resumed = dataclasses.replace(cfg, num_rollout=2, resume=True)
+    with pytest.raises(ValueError, match=r"1 setting\(s\) differ .*--prompt-data .*train.jsonl: its contents "
+                                         r"changed \(sha256 [0-9a-f]{12}\.\.\. -> [0-9a-f]{12}\.\.\.\).*"
+                                         r"--accept-changes prompt-data"):
+        GRPOTrainer(resumed)
+    for accepted in (dataclasses.replace(resumed, accept_changes="prompt-data"), None):
+        if accepted is None:
+            data.write_text("\n".join(rows) + "\n")  # back as it was: resumed without a word
+        trainer = GRPOTrainer(accepted or resumed)
+        assert trainer.start_step == 1
+        trainer.release()
 
 
 def test_health_table_verdicts():

@@ -299,10 +299,10 @@ class RolloutBatch:
 
 # ------------------------------------------------------------------ checkpoints (safetensors only)
 
-def _save_checkpoint(cfg, state: TrainState | int, policy, optimizer, lora_names) -> Path:
+def _save_checkpoint(cfg, state: TrainState | int, policy, optimizer, lora_names, inputs: dict | None = None) -> Path:
     """The checkpoint after rollout `state.step - 1` (an int: the rollout just completed): weights (or
     adapters), the optimizer's moments, and state.json with the TrainState, the optimizer's param
-    groups and the run's settings."""
+    groups, the run's settings and its data files' digests (`inputs`: input_digests(cfg))."""
     from glmkit.model import save_model
     from glmkit.rl.lora import adapter_state
 
@@ -324,7 +324,8 @@ def _save_checkpoint(cfg, state: TrainState | int, policy, optimizer, lora_names
                    for k, v in s.items() if torch.is_tensor(v)}
         save_file(tensors, str(staging / "optimizer.safetensors"))
         (staging / "state.json").write_text(json.dumps({**state.to_record(), "param_groups": moments["param_groups"],
-                                                        "lora": lora_names, "config": asdict(cfg)}, default=str))
+                                                        "lora": lora_names, "config": asdict(cfg),
+                                                        "inputs": inputs or {}}, default=str))
         usual_modes(staging)  # safetensors creates its files 0600; a checkpoint gets the umask's modes
         record_entries(staging)  # what --overwrite may later remove: these names, nothing added since
         if final.is_symlink():
@@ -389,12 +390,15 @@ def _read_state(folder: Path) -> dict:
     return state
 
 
-def _check_resumed_settings(cfg, folder: Path) -> None:
+def _check_resumed_settings(cfg, folder: Path, digests: dict | None = None) -> None:
     """--resume continues the run recorded in `folder`'s state.json: a setting that differs (other than
-    RESUMABLE_CHANGES and those named in --accept-changes) is refused, each named with both values."""
+    RESUMABLE_CHANGES and those named in --accept-changes) is refused, each named with both values; so
+    is a data file whose contents differ from the recorded digest (`digests`: input_digests(cfg)) though
+    its name is the same: the resumed run would walk other prompts than the run it continues."""
     from dataclasses import asdict
 
-    recorded = _read_state(folder).get("config") or {}
+    state = _read_state(folder)
+    recorded = state.get("config") or {}
     accepted = {name.strip().lstrip("-").replace("-", "_") for name in cfg.accept_changes.split(",") if name.strip()}
     known = {f for f in asdict(cfg)}
     unknown = sorted(accepted - known)
@@ -402,13 +406,38 @@ def _check_resumed_settings(cfg, folder: Path) -> None:
         raise ValueError(f"--accept-changes {', '.join(unknown)}: not a setting of glmkit train")
     now = json.loads(json.dumps(asdict(cfg), default=str))
     # a setting the state does not record cannot be shown unchanged: it counts as changed
-    differing = [name for name in sorted(now)
+    differing = [(name, f"--{name.replace('_', '-')} {recorded.get(name, _UNRECORDED)!r} -> {now[name]!r}")
+                 for name in sorted(now)
                  if recorded.get(name, _UNRECORDED) != now[name] and name not in RESUMABLE_CHANGES | accepted]
+    # digests are recorded from this version on: a checkpoint without them is resumed as before
+    before = state.get("inputs") if isinstance(state.get("inputs"), dict) else {}
+    differing += [(name, f"--{name.replace('_', '-')} {now[name]}: its contents changed (sha256 "
+                         f"{str(before[name])[:12]}... -> {digest[:12]}...)")
+                  for name, digest in sorted((digests or {}).items())
+                  if name in before and before[name] != digest and name not in accepted
+                  and name not in {n for n, _ in differing}]
     if differing:
-        shown = "; ".join(f"--{n.replace('_', '-')} {recorded.get(n, _UNRECORDED)!r} -> {now[n]!r}" for n in differing[:8])
+        shown = "; ".join(text for _, text in differing[:8])
         raise ValueError(f"--resume: {len(differing)} setting(s) differ from the run in {folder}: {shown}; resume "
                          f"with the recorded values, or name the changes you mean with --accept-changes "
-                         f"{','.join(n.replace('_', '-') for n in differing)}")
+                         f"{','.join(n.replace('_', '-') for n, _ in differing)}")
+
+
+def input_digests(cfg) -> dict:
+    """sha256 of each data file the run reads (--prompt-data, --eval-prompt-data), by setting name:
+    state.json records them, so --resume tells a file whose contents changed under the same name."""
+    import hashlib
+
+    digests = {}
+    for name in ("prompt_data", "eval_prompt_data"):
+        path = getattr(cfg, name)
+        if path:
+            digest = hashlib.sha256()
+            with open(path, "rb") as stream:
+                for chunk in iter(lambda: stream.read(1 << 20), b""):
+                    digest.update(chunk)
+            digests[name] = digest.hexdigest()
+    return digests
 
 
 def _inputs(cfg) -> dict:
@@ -697,6 +726,7 @@ class GRPOTrainer:
                                  f"training prompts; a held-out evaluation needs prompts the run never trains on")
             if not self.eval_samples:
                 raise ValueError(f"--eval-prompt-data {cfg.eval_prompt_data}: no usable prompts")
+        self.input_digests = input_digests(cfg)
         # every input checked first (--overwrite removes an earlier run only once this one can start),
         # before anything slow: a refused run fails at once
         # the run's outputs are locked from here to the end of run(): a second writer is refused
@@ -732,7 +762,7 @@ class GRPOTrainer:
         self.notes = _claim_outputs(cfg) if self.lead else []
         latest = _latest(cfg) if cfg.resume else None  # a bad resume marker too
         if latest is not None:
-            _check_resumed_settings(cfg, latest)
+            _check_resumed_settings(cfg, latest, self.input_digests)
         self.policy = load_model(cfg.checkpoint, dtype, cfg.device)
         self.lora_names = []
         if cfg.lora_rank:
@@ -1208,7 +1238,7 @@ class GRPOTrainer:
                 # --save without --save-interval: one checkpoint, after the last rollout
                 periodic = (step + 1) % cfg.save_interval == 0 if cfg.save_interval else step + 1 == cfg.num_rollout
                 if cfg.save and periodic and self.lead:
-                    _save_checkpoint(cfg, self.state, self.policy, self.optimizer, self.lora_names)
+                    _save_checkpoint(cfg, self.state, self.policy, self.optimizer, self.lora_names, self.input_digests)
                 if self.state.nonfinite_streak >= cfg.max_nonfinite_steps:
                     raise NonFiniteRun(f"stopped after rollout {step}: {self.state.nonfinite_streak} optimizer steps "
                                        f"in a row had a NaN / Inf loss or gradient norm (each was skipped; see "
