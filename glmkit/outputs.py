@@ -84,11 +84,17 @@ def record_entries(folder: Path) -> None:
         f.write("".join(f"entry: {name}\n" for name in names))
 
 
+def recorded_entries(folder: Path) -> set[str]:
+    """The names a marked directory's marker lists as glmkit's (none: a marker of a glmkit version
+    before the lists, or one written by hand)."""
+    lines = (Path(folder) / MARKER).read_text(**_NAMES).splitlines()
+    return {line[len("entry: "):] for line in lines if line.startswith("entry: ")}
+
+
 def foreign_entries(folder: Path) -> list[str]:
     """What a marked directory holds that glmkit did not record writing ([] for a marker of a glmkit
-    version that recorded nothing)."""
-    lines = (Path(folder) / MARKER).read_text(**_NAMES).splitlines()
-    recorded = {line[len("entry: "):] for line in lines if line.startswith("entry: ")}
+    version that recorded nothing: check_dir_out refuses to replace such a folder)."""
+    recorded = recorded_entries(folder)
     if not recorded:
         return []
     return sorted(p.name for p in Path(folder).iterdir() if p.name != MARKER and p.name not in recorded)
@@ -256,6 +262,10 @@ def check_dir_out(path, flag: str | None = None, overwrite: bool | None = False,
         raise ValueError(f"{_prefix(flag, path)}: --overwrite replaces only a directory glmkit wrote (one with a "
                          f"{MARKER} file), and this one has none (nor do those of glmkit versions before the marker); "
                          f"remove it yourself or choose another directory")
+    if not recorded_entries(target):  # everything in it would go, and nothing says glmkit put it there
+        raise ValueError(f"{_prefix(flag, path)}: its {MARKER} lists none of what the directory holds (a marker of a "
+                         f"glmkit version before the lists, or one written by hand), so --overwrite cannot tell "
+                         f"glmkit's files from others there; remove it yourself or choose another directory")
     foreign = foreign_entries(target)
     if foreign:
         raise ValueError(f"{_prefix(flag, path)}: holds {', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''} "

@@ -326,7 +326,9 @@ def test_a_capture_is_marked(tmp_path):
     cap = Capture(tensors={(0, "attn_out"): torch.ones(3, 2)}, input_ids=torch.arange(3), cu_seqlens=torch.tensor([0, 3]),
                   manifest={"path": "train"})
     save_capture(cap, tmp_path / "cap")
-    assert (tmp_path / "cap" / ".glmkit-output").read_text().startswith("kind: parity capture\n")
+    marker = (tmp_path / "cap" / ".glmkit-output").read_text()
+    assert marker.startswith("kind: parity capture\n")
+    assert "entry: manifest.json\nentry: tensors.safetensors\n" in marker  # what --overwrite may later remove
     mask = os.umask(0o022)
     os.umask(mask)
     assert (tmp_path / "cap").stat().st_mode & 0o777 == 0o777 & ~mask        # the umask's modes, not 0700 / 0600
@@ -487,3 +489,24 @@ def test_an_output_inside_another_runs_locked_output_is_refused_with_the_holder(
     with pytest.raises(ValueError, match="reached through a symbolic link; --overwrite replaces nothing through one"):
         check_dir_out(tmp_path / "here" / "s" / "iter_0000001", "--out", overwrite=True)
     assert check_dir_out(save / "iter_0000001", "--out", overwrite=True) == save / "iter_0000001"
+
+
+def test_overwrite_refuses_a_marker_that_lists_nothing(tmp_path):
+    """A marker without entry lines (glmkit before the lists, or forged by hand) would let --overwrite
+    delete all the folder holds: refused, the folder untouched; a marker listing its entries is replaced."""
+    from glmkit.outputs import check_dir_out, record_entries
+
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / ".glmkit-output").write_text("kind: checkpoint\n")
+    (old / "thesis.tex").write_text("years of work")
+    with pytest.raises(ValueError, match=r"old: its \.glmkit-output lists none of what the directory holds .*"
+                                         r"remove it yourself or choose another directory"):
+        check_dir_out(old, "--out", overwrite=True)
+    assert (old / "thesis.tex").read_text() == "years of work"
+    listed = tmp_path / "listed"
+    listed.mkdir()
+    mark(listed, "checkpoint")
+    (listed / "model.safetensors").write_bytes(b"x")
+    record_entries(listed)
+    assert check_dir_out(listed, "--out", overwrite=True) == listed

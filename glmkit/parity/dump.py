@@ -30,7 +30,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from glmkit.outputs import check_dir_out, mark, staging_dir, usual_modes
+from glmkit.outputs import check_dir_out, record_entries, staging_dir, usual_modes
 
 FORMAT = "glmkit-capture/1"
 
@@ -101,7 +101,7 @@ def check_capture_out(out: str | os.PathLike, flag: str | None = None) -> Path:
 def save_capture(capture: Capture, out: str | os.PathLike) -> Path:
     given = Path(out)
     out = check_capture_out(out)
-    staging = staging_dir(out, "capture")
+    staging = staging_dir(out, "parity capture")
     try:
         tensors = {site_key(layer, site): t for (layer, site), t in capture.tensors.items()}
         tensors["input/ids"] = capture.input_ids.cpu().contiguous()
@@ -110,7 +110,7 @@ def save_capture(capture: Capture, out: str | os.PathLike) -> Path:
         manifest = dict(capture.manifest, format=FORMAT, input_sha256=capture.input_sha256,
                         lengths=capture.lengths, sites=sorted(k for k in tensors if not k.startswith("input/")))
         (staging / "manifest.json").write_text(json.dumps(manifest, indent=2))
-        mark(staging, "parity capture")
+        record_entries(staging)  # the marker lists what it holds, as every glmkit folder's does
         usual_modes(staging)
         if out.exists():
             out.rmdir()
