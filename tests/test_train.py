@@ -364,9 +364,12 @@ def test_a_new_run_never_overwrites_an_earlier_one(tmp_path):
     small = ("--num-rollout", 1, "--rollout-batch-size", 4, "--global-batch-size", 32)
     mine = tmp_path / "mine.jsonl"
     assert run_cli(*small, "--metrics-out", mine).returncode == 0
-    assert (tmp_path / ".mine.jsonl.glmkit-output").read_text().startswith("kind: metrics file\nglmkit ")
+    first_marker = (tmp_path / ".mine.jsonl.glmkit-output").read_text()
+    assert first_marker.startswith("kind: metrics file\nglmkit ")
     replaced = run_cli(*small, "--metrics-out", mine, "--overwrite")
     assert replaced.returncode == 0 and "--overwrite: removed" in replaced.stdout
+    # the new stream's marker names the run that wrote it (another pid), not the one it replaced
+    assert (tmp_path / ".mine.jsonl.glmkit-output").read_text() != first_marker
     assert [h["step"] for h in rollout_rows(read_metrics(mine))] == [0]
     data = tmp_path / "prompts.jsonl"  # the run's own input, named as its output: refused, kept
     data.write_text('{"prompt": "1+1=", "label": "2"}\n')

@@ -1210,7 +1210,7 @@ class GRPOTrainer:
         steps = range(self.state.step, cfg.num_rollout)
         bar = tqdm(steps, desc="GRPO", unit="rollout", disable=not (cfg.progress and self.lead))
         # other data-parallel ranks compute the same rows and keep them; rank 0 alone writes them
-        if self.lead and not is_glmkit_file(out):
+        if self.lead and (not cfg.resume or not is_glmkit_file(out)):  # a new stream names the run writing it
             mark_file(out, "metrics file")  # the marker first: a metrics file never stands unmarked
             out.touch()
         try:
