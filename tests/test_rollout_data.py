@@ -269,6 +269,14 @@ def test_the_reference_head_in_chunks_equals_one_pass(rollout_file, monkeypatch)
         assert max(abs(x - y) for x, y in zip(a.reference, b.reference)) < 1e-5
 
 
+def nested_lists(depth: int) -> list:
+    outer = inner = []
+    for _ in range(depth):
+        inner.append([])
+        inner = inner[0]
+    return outer
+
+
 @pytest.mark.parametrize("edit, message", [
     (lambda d: d.update(rollout_id=torch.tensor([1, 2])), "rollout_id: a Tensor; expected a number or a string"),
     (lambda d: d.update(rollout_id=b"\xff"), "rollout_id: a bytes"),
@@ -290,6 +298,8 @@ def test_the_reference_head_in_chunks_equals_one_pass(rollout_file, monkeypatch)
                                  for _ in range(12)]), r"in the file's expanded views so far"),
     (lambda d: d["samples"][0].update(tokens=torch.quantize_per_tensor(torch.ones(4), 1.0, 0, torch.quint8)),
      r"tokens: a quantized tensor; glmkit reads dense tensors"),
+    # Hostile pass 12: a status nested 3000 lists deep ended in exit 3 (RecursionError in its repr)
+    (lambda d: d["samples"][0].update(status=nested_lists(3000)), r"samples\[0\]\.status: a list; expected a number"),
 ])
 def test_values_the_report_writes_are_plain_or_refused_before_any_model_runs(tmp_path, edit, message):
     """Hostile pass 4: these ended in exit 3 (a TypeError writing the JSON, after every sample was
@@ -304,7 +314,12 @@ def test_values_the_report_writes_are_plain_or_refused_before_any_model_runs(tmp
     read = load_rollout_data(tmp_path / "ok.pt", 64)
     assert (read.rollout_id, read.samples[0].index) == (3, 7) and type(read.rollout_id) is int
     edit(data)
-    torch.save(data, tmp_path / "bad.pt")
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(20000)  # pickling a deeply nested value recurses (torch's safe reader does not)
+    try:
+        torch.save(data, tmp_path / "bad.pt")
+    finally:
+        sys.setrecursionlimit(limit)
     with pytest.raises(ValueError, match=message):
         load_rollout_data(tmp_path / "bad.pt", 64)
 

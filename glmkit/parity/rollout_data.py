@@ -192,7 +192,8 @@ def load_rollout_data(path, vocab_size: int | None = None) -> RolloutData:
             [int(bool(v)) for v in _float_list(s["loss_mask"], length, f"{where}.loss_mask")]
         reward = s.get("reward")
         samples.append(RolloutSample(k, _plain(s.get("index"), f"{where}.index"),
-                                     _plain(s.get("group_index"), f"{where}.group_index"), str(s.get("status", "")),
+                                     _plain(s.get("group_index"), f"{where}.group_index"),
+                                     str(_plain(s.get("status"), f"{where}.status") or ""),
                                      reward if isinstance(reward, (int, float)) and not isinstance(reward, bool) else None,
                                      tokens, length, engine, mask))
     if not samples:
