@@ -181,6 +181,10 @@ def test_an_engine_that_answers_for_nothing_or_is_gone_is_exit_2(capsys):
         httpd.server_close()
     assert main(["ckpt", "verify-engine", "--hf", str(CKPT), "--url", url, "--sample", "3"]) == 2
     assert "connection failed" in capsys.readouterr().err
+    secret = url.replace("http://", "http://user:s3cret@")  # a password in the URL is never printed
+    assert main(["ckpt", "verify-engine", "--hf", str(CKPT), "--url", secret, "--sample", "3"]) == 2
+    err = capsys.readouterr().err
+    assert "connection failed" in err and "s3cret" not in err and "http://***@127.0.0.1" in err
     assert main(["ckpt", "verify-engine", "--hf", str(CKPT), "--url", "localhost:1"]) == 2
     assert "must start with http://" in capsys.readouterr().err
 

@@ -92,6 +92,11 @@ def check_server_url(url: str) -> None:
         raise ValueError(f"server URL {url!r}: port {port} outside 1..65535")
 
 
+def shown_url(url: str) -> str:
+    """`url` as messages and reports show it: a password in it (http://user:secret@host) as ***."""
+    return re.sub(r"^(https?://)[^/@]*@", lambda m: m.group(1) + "***@", url)
+
+
 class SGLangClient:
     def __init__(self, url: str, timeout_s: float = 600.0, retries: int = 3, backoff_s: float = 0.5):
         check_server_url(url)
@@ -99,12 +104,13 @@ class SGLangClient:
             raise ValueError(f"need retries >= 0, backoff_s >= 0 and timeout_s > 0; got {retries}, {backoff_s}, "
                              f"{timeout_s}")
         self.url, self.timeout_s, self.retries, self.backoff_s = url.rstrip("/"), timeout_s, retries, backoff_s
+        self.shown = shown_url(self.url)  # what errors name: never a password the URL carries
         self.max_answer_bytes = MAX_ANSWER_BYTES
         self.session = requests.Session()
         self.session.trust_env = False  # a proxy from the environment must not see loopback traffic
 
     def _call(self, method: str, path: str, body: dict | None = None, json_answer: bool = True):
-        where = f"{self.url}{path}"
+        where = f"{self.shown}{path}"
         for attempt in range(self.retries + 1):
             deadline = time.monotonic() + self.timeout_s
             try:
@@ -140,13 +146,13 @@ class SGLangClient:
         an answer without `success` true is not taken for one."""
         answer = self._object(self._call("POST", path, body), path)
         if answer.get("success") is not True:
-            raise SGLangError(f"{self.url}{path}: " + (str(answer.get("message"))[:500] if answer.get("success") is False
+            raise SGLangError(f"{self.shown}{path}: " + (str(answer.get("message"))[:500] if answer.get("success") is False
                                                        else f"no success true in the answer ({str(answer)[:200]})"))
         return answer
 
     def _object(self, answer, path: str) -> dict:
         if not isinstance(answer, dict):
-            raise SGLangError(f"{self.url}{path}: expected a JSON object, got {type(answer).__name__} "
+            raise SGLangError(f"{self.shown}{path}: expected a JSON object, got {type(answer).__name__} "
                               f"({str(answer)[:100]})")
         return answer
 
@@ -175,11 +181,11 @@ class SGLangClient:
         batched = isinstance(given, list) and (not given or not isinstance(given[0], int))
         answers = answer if batched and isinstance(answer, list) else [answer]
         if batched and (not isinstance(answer, list) or len(answer) != len(given)):
-            raise SGLangError(f"{self.url}/generate: {len(answer) if isinstance(answer, list) else 'no list of'} "
+            raise SGLangError(f"{self.shown}/generate: {len(answer) if isinstance(answer, list) else 'no list of'} "
                               f"answers for a batch of {len(given)} inputs")
         for i, one in enumerate(answers):
             if not isinstance(one, dict) or not isinstance(one.get("meta_info"), dict):
-                raise SGLangError(f"{self.url}/generate: answer {i} is not an object with meta_info "
+                raise SGLangError(f"{self.shown}/generate: answer {i} is not an object with meta_info "
                                   f"({str(one)[:100]})")
         return answer
 
@@ -411,7 +417,7 @@ class SGLangRollout:
         if self.max_batch is None:  # SGLang's /server_info states max_running_requests (may be null)
             given = self.client.server_info().get("max_running_requests")
             if given is not None and (not isinstance(given, int) or isinstance(given, bool) or given < 1):
-                raise SGLangError(f"{self.client.url}/get_server_info: max_running_requests {str(given)[:40]!r}; "
+                raise SGLangError(f"{self.client.shown}/get_server_info: max_running_requests {str(given)[:40]!r}; "
                                   f"expected a positive integer or null")
             self.max_batch = given or len(prompt_ids) or 1
         answers = []
@@ -424,7 +430,7 @@ class SGLangRollout:
         num_layers, moe, dsa = model_layers(self.policy.config)
         completions = []
         for i, (prompt, answer) in enumerate(zip(prompt_ids, answers)):
-            with answer_read(self.client.url, i):
+            with answer_read(self.client.shown, i):
                 completions.append(self._completion(prompt, answer["meta_info"], num_layers, moe, dsa))
         return completions
 
@@ -450,7 +456,7 @@ class SGLangRollout:
         if version != "default":
             import warnings
 
-            warnings.warn(f"{self.client.url} was updated before this run (weight_version {version!r}): syncs "
+            warnings.warn(f"{self.client.shown} was updated before this run (weight_version {version!r}): syncs "
                           f"send only the trainable tensors, so its other weights must equal this run's checkpoint "
                           f"(restart the server from it to be sure)", stacklevel=2)
 

@@ -106,7 +106,7 @@ def verify_engine(hf, url: str, sample: int = 64, rows: int = 100, seed: int = 0
         raise ValueError(f"need sample >= 0 (0: every tensor) and rows >= 1; got {sample}, {rows}")
     ckpt = open_checkpoint(hf)
     client = client or SGLangClient(url, timeout_s=120, retries=2)
-    report = EngineReport(url=url, hf=str(ckpt.path), rows=rows)
+    report = EngineReport(url=client.shown, hf=str(ckpt.path), rows=rows)
     names = sample_names(ckpt.text_keys(), sample, seed)
     for name in tqdm(names, desc="verify-engine", unit="tensor", disable=not progress):
         report.sampled += 1
@@ -142,7 +142,7 @@ def verify_engine(hf, url: str, sample: int = 64, rows: int = 100, seed: int = 0
         report.differing.append({"name": name, "max_abs_diff": max_abs, "differing": count, "numel": got.numel(),
                                  "cause": likely_cause(got, expected, [], 0.0)})
     if report.unavailable and len(report.unavailable) == report.sampled:
-        raise ConnectionError(f"{url}: the engine answered /get_weights_by_name for none of the {report.sampled} "
+        raise ConnectionError(f"{client.shown}: the engine answered /get_weights_by_name for none of the {report.sampled} "
                               f"tensors asked for (first: {report.unavailable[0]['reason']}); an SGLang model class "
                               f"without get_weights_by_name (SGLang's glm5_next has none) cannot be checked this way")
     return report
