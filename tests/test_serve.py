@@ -920,6 +920,17 @@ def test_sigterm_names_the_shutdown_to_streams_waiting_updates_and_a_step_past_t
     assert "Traceback" not in output and "terminate called" not in output and "ERROR" not in output, output[-3000:]
 
 
+def test_sigterm_while_a_group_join_waits_for_its_trainer_answers_503():
+    """Hostile pass 12: a /init_weights_update_group waiting for a trainer that never comes got a 500
+    on SIGTERM (its wait was cancelled past the endpoint's answers). Now 503 naming the shutdown."""
+    body = {"master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1, "world_size": 2,
+            "group_name": "g", "backend": "gloo", "timeout_s": 60}
+    code, answer, output = terminate_during(Server(), body, after_s=2.0, path="/init_weights_update_group")
+    assert code == 143 and "Traceback" not in output, output[-3000:]
+    assert answer is not None and answer.status_code == 503, answer and answer.text[:300]
+    assert answer.json()["success"] is False and "the server is shutting down" in answer.json()["message"]
+
+
 def test_a_sigint_the_server_was_started_to_ignore_is_ignored():
     """Hostile pass 11: started in the background of a script (SIGINT ignored, as bash does), the
     server stopped on SIGINT with exit 0 and no line: uvicorn took the signal over."""

@@ -1085,6 +1085,8 @@ def build_app(service: EngineService, window_s: float = 0.005, max_body: int = D
             return outcome(True, await work(*args), **extra)
         except RequestError as err:
             return outcome(False, str(err), err.status, **extra)
+        except asyncio.CancelledError:  # the server shut down while the step waited (a group's rendezvous)
+            return outcome(False, SHUTTING_DOWN, 503, **extra)
         except Exception as err:  # noqa: BLE001 - a failed transfer or allocation: the weights are unchanged
             return outcome(False, f"{type(err).__name__}: {err}", **extra)
 
