@@ -76,8 +76,12 @@ def run_check(settings: CheckSettings, work_dir: Path) -> dict:
     config = ckpt.config
     bar = tqdm(total=6, desc="glmkit check", unit="stage")
     bar.set_postfix_str("loading"), bar.update()
-    ref = load_reference(path, settings.dtype, settings.device)
-    model = load_model(path, settings.dtype, settings.device)
+    try:
+        ref = load_reference(path, settings.dtype, settings.device)
+        model = load_model(path, settings.dtype, settings.device)
+    except BaseException:
+        bar.close()  # the bar's last line before the error's, not after it
+        raise
     name = dtype_name(settings.dtype)
     limits, tie = THRESHOLDS[name], TIE_TOLERANCE[name]
     prompts = _prompts(config, settings.seed)

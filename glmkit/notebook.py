@@ -83,11 +83,26 @@ def notebook_defaults(notebook: Path) -> dict[str, str]:
     try:
         found = papermill.inspect_notebook(str(notebook))
     except ValueError as err:  # papermill reads the language from the notebook's kernelspec
-        if "kernel" not in str(err).lower():
+        if "kernel" not in str(err).lower() and "language" not in str(err).lower():
             raise
-        raise ValueError(f"{notebook}: its metadata names no kernel (kernelspec), so its parameters cannot be read; "
-                         f"open it in JupyterLab and save it with the Python 3 kernel") from None
+        found = _inspect_as_python(notebook)
     return {name: info["default"] for name, info in found.items()}
+
+
+def _inspect_as_python(notebook: Path) -> dict:
+    """papermill's parameters of a notebook whose metadata names no kernel nor language: a Python one
+    (the report refuses others), read from a copy that names the Python 3 kernel."""
+    import tempfile
+
+    import nbformat
+    import papermill
+
+    nb = nbformat.read(str(notebook), as_version=4)
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    with tempfile.TemporaryDirectory(prefix="glmkit-inspect-") as folder:
+        copy = Path(folder) / "notebook.ipynb"
+        nbformat.write(nb, str(copy))
+        return papermill.inspect_notebook(str(copy))
 
 
 # What reading a verdict file of another layout raises (a number where a list was expected, a text where
@@ -562,8 +577,10 @@ def _run_locked(notebook: Path, out_dir: Path, parameters: dict, name: str) -> P
         running.unlink()
     started = time.time()
     try:
+        # language: _check_notebook took only Python notebooks; one whose metadata names none is run as one
         papermill.execute_notebook(str(notebook), str(running), parameters=parameters, kernel_name=KERNEL,
-                                   cwd=str(project_root(notebook)), progress_bar=True, log_output=False)
+                                   language="python", cwd=str(project_root(notebook)), progress_bar=True,
+                                   log_output=False)
     except BaseException as err:
         if running.exists():
             failed = out_dir / f"{name}.failed.ipynb"

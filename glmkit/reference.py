@@ -32,8 +32,13 @@ def load_reference(path, dtype: torch.dtype = torch.float32, device="cpu"):
 
     transformers.logging.set_verbosity_error()  # its vision tower is absent from text checkpoints
     transformers.logging.disable_progress_bar()
-    model = Glm5NextForConditionalGeneration.from_pretrained(path, dtype=dtype, local_files_only=True,
-                                                             use_safetensors=True)
+    try:
+        model = Glm5NextForConditionalGeneration.from_pretrained(path, dtype=dtype, local_files_only=True,
+                                                                 use_safetensors=True)
+    except (KeyError, TypeError, AttributeError, IndexError, ValueError) as err:
+        # glmkit's reader took the folder; transformers' stricter one (an index without "metadata", say) did not
+        raise ValueError(f"{path}: the transformers reference cannot load this checkpoint ({type(err).__name__}: "
+                         f"{str(err)[:300]})") from None
     return model.to(device).eval()
 
 

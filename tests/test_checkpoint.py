@@ -565,3 +565,24 @@ def test_config_values_no_forward_can_use_are_refused_at_load(tmp_path, where, k
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match=re.escape(needle)):
         open_checkpoint(folder)
+
+
+def test_a_checkpoint_transformers_cannot_read_is_bad_input_naming_it(tmp_path, capsys):
+    """Hostile pass 12: an index without "metadata" passes glmkit's reader (the field is optional to it)
+    but transformers' loader raised KeyError: 'metadata', and `glmkit check` ended in exit 3."""
+    import json
+    import shutil
+
+    from glmkit.cli import main
+    from glmkit.checkpoint import open_checkpoint
+
+    folder = tmp_path / "ck"
+    shutil.copytree(Path(__file__).resolve().parents[1] / "glmkit" / "assets" / "tiny_start", folder)
+    (folder / "model.safetensors").rename(folder / "shard.safetensors")
+    names = open_checkpoint(Path(__file__).resolve().parents[1] / "glmkit" / "assets" / "tiny_start").text_keys()
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {n: "shard.safetensors"
+                                                                                    for n in names}}))
+    assert len(open_checkpoint(folder).text_keys()) == len(names)  # glmkit reads it
+    assert main(["check", "--checkpoint", str(folder), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].endswith("ck: the transformers reference cannot load this checkpoint (KeyError: 'metadata')"), err

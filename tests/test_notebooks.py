@@ -108,6 +108,18 @@ def test_notebook_without_verdict_reports_unknown_and_exits_0(tmp_path, capsys):
     assert "verdict: UNKNOWN" in text and "yoyo" in text and "&quot;yo&quot;" in text
 
 
+def test_a_notebook_whose_metadata_names_no_kernel_runs_as_python(tmp_path, capsys):
+    """Hostile pass 12: metadata {} (no kernelspec, no language_info) ended in exit 3 (papermill's
+    ValueError); -p on it was refused. A notebook that names no language is a Python one here."""
+    notebook = small_notebook(tmp_path / "bare.ipynb", "print(message * 2)")
+    nb = nbformat.read(str(notebook), as_version=4)
+    nb.metadata = {}
+    nbformat.write(nb, str(notebook))
+    assert main(["report", str(notebook), "--out", str(tmp_path / "report"), "-p", "message", "yo"]) == 0
+    assert "verdict: unknown" in capsys.readouterr().out
+    assert "yoyo" in (tmp_path / "report" / "bare.html").read_text()
+
+
 def test_failing_notebook_keeps_the_executed_copy_and_no_html(tmp_path, capsys):
     notebook = small_notebook(tmp_path / "broken.ipynb", "raise RuntimeError('boom: ' + message)")
     out = tmp_path / "report"
