@@ -77,8 +77,13 @@ def _parity(args) -> int:
         from glmkit.bounds import check_tokens_fit
         from glmkit.checkpoint import open_checkpoint
 
-        check_tokens_fit(open_checkpoint(args.checkpoint).config, args.batch, args.seq_len, args.device,
-                         "--batch x --seq-len", paths=1 if args.streaming else 2)
+        config = open_checkpoint(args.checkpoint).config
+        check_tokens_fit(config, args.batch, args.seq_len, args.device, "--batch x --seq-len",
+                         paths=1 if args.streaming else 2)
+        if "reference" in paths:  # its attention holds T x T scores: one sequence must fit as well
+            from glmkit.bounds import check_sequence_fits
+
+            check_sequence_fits(config, args.seq_len, args.device, "--seq-len")
     # outputs are checked before the comparison runs, not after it
     if args.json:
         claim_file(args.json, "--json", "JSON result", _given_paths(args, "json", "save_captures"))
@@ -175,6 +180,10 @@ def cmd_capture(args) -> int:
 
     config = open_checkpoint(args.checkpoint).config
     check_tokens_fit(config, args.batch, args.seq_len, args.device, "--batch x --seq-len", paths=1)
+    if args.path == "reference":  # its attention holds T x T scores: one sequence must fit as well
+        from glmkit.bounds import check_sequence_fits
+
+        check_sequence_fits(config, args.seq_len, args.device, "--seq-len")
     seqs, prompts = make_inputs(config.vocab_size, args.batch, args.seq_len, args.seed)
     cap = capture_path(args.path, args.checkpoint, seqs, prompts, getattr(torch, args.dtype), args.device,
                        _backends(args))
