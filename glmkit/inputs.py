@@ -85,23 +85,55 @@ def check_loaded_tensors(value, file: str) -> None:
     MAX_EXPANDED_ELEMENTS elements together; such a tensor fails later in a far less telling way, or
     fills memory."""
     expanded = [0]
-    _check_tensors(value, file, "", 0, expanded)
+    _check_tensors(value, file, "", 0, expanded, {})
 
 
-def _check_tensors(value, file: str, place: str, depth: int, expanded: list) -> None:
-    import torch
+_PLAIN = (int, float, str, bool, type(None))  # nothing to check inside: a list of token ids is skimmed
 
+
+def _check_tensors(value, file: str, place: str, depth: int, expanded: list, seen: dict) -> None:
     if depth > 64:  # no file glmkit reads nests deeper; not worth walking
         return
+    if not isinstance(value, (dict, list, tuple)):
+        return _check_tensor(value, file, place, expanded)
+    # one container the file refers to from many places (torch.save keeps one copy) is walked once, where
+    # it is first met; its expanded views count at every place (a reader may widen each)
+    if id(value) in seen:
+        return _count_expanded(seen[id(value)][1], file, place, expanded)
+    before = expanded[0]
+    seen[id(value)] = (value, 0)
+    _check_items(value, file, place, depth, expanded, seen)
+    seen[id(value)] = (value, expanded[0] - before)
+
+
+def _check_items(value, file: str, place: str, depth: int, expanded: list, seen: dict) -> None:
     if isinstance(value, dict):
         for key, item in value.items():
+            if type(item) in _PLAIN:
+                continue
             name = key if isinstance(key, str) and key.isidentifier() else f"[{str(key)[:40]!r}]"
             _check_tensors(item, file, f"{place}.{name}" if place and name[0] != "[" else place + name, depth + 1,
-                           expanded)
+                           expanded, seen)
     elif isinstance(value, (list, tuple)):
         for i, item in enumerate(value):
-            _check_tensors(item, file, f"{place}[{i}]", depth + 1, expanded)
-    elif isinstance(value, torch.Tensor):
+            if type(item) not in _PLAIN:
+                _check_tensors(item, file, f"{place}[{i}]", depth + 1, expanded, seen)
+
+
+def _count_expanded(elements: int, file: str, place: str, expanded: list, stored: int | None = None) -> None:
+    expanded[0] += elements
+    if expanded[0] > MAX_EXPANDED_ELEMENTS:
+        where = f"{file}: {place}" if place else file
+        what = f"an expanded view of {elements} elements over {stored} stored" if stored is not None else \
+            f"expanded views of {elements} elements, met again"
+        raise ValueError(f"{where}: {what} ({expanded[0]} in the file's expanded views so far); glmkit reads such "
+                         f"views up to {MAX_EXPANDED_ELEMENTS} elements in all")
+
+
+def _check_tensor(value, file: str, place: str, expanded: list) -> None:
+    import torch
+
+    if isinstance(value, torch.Tensor):
         where = f"{file}: {place}" if place else file
         if value.is_meta:
             raise ValueError(f"{where}: a meta (data-less) tensor; the file must hold the values")
@@ -110,11 +142,7 @@ def _check_tensors(value, file: str, place: str, depth: int, expanded: list) -> 
             raise ValueError(f"{where}: a {kind} tensor; glmkit reads dense tensors")
         stored = value.untyped_storage().nbytes() // max(1, value.element_size())
         if value.numel() > stored:
-            expanded[0] += value.numel()
-            if expanded[0] > MAX_EXPANDED_ELEMENTS:
-                raise ValueError(f"{where}: an expanded view of {value.numel()} elements over {stored} stored "
-                                 f"({expanded[0]} in the file's expanded views so far); glmkit reads such views up "
-                                 f"to {MAX_EXPANDED_ELEMENTS} elements in all")
+            _count_expanded(value.numel(), file, place, expanded, stored)
 
 
 class TimeLimitExceeded(Exception):

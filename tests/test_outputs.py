@@ -219,7 +219,8 @@ def test_sizes_are_bounded_before_anything_is_allocated(tmp_path):
     # T x T scores (25.6 GB) ran the machine out of memory; the square is counted too
     for command in (("parity",), ("capture", "--path", "reference", "--out", tmp_path / "cap")):
         long = glmkit(*command, "--checkpoint", ROOT / "glmkit/assets/tiny_start", "--batch", 1, "--seq-len", 100000)
-        assert long.returncode == 2 and "--seq-len: 100000 tokens through the reference need at least" in long.stderr, long.stderr
+        assert long.returncode == 2, long.stderr
+        assert "--seq-len: 100000 tokens through the reference need at least" in long.stderr, long.stderr
     typo = glmkit("parity", "--checkpoint", ROOT / "glmkit/assets/tiny_start", "--batch", 10 ** 30)
     assert typo.returncode == 2 and "argument --batch: must be at most 4611686018427387904" in typo.stderr
     data = tmp_path / "rows.jsonl"

@@ -391,3 +391,22 @@ def test_a_raw_pickle_is_refused_in_one_line(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
     assert len(done.stderr.strip().splitlines()) == 1 and "raw.pt" in done.stderr, done.stderr
+
+
+def test_one_sample_the_file_refers_to_many_times_is_read_once(tmp_path):
+    """Hostile pass 12: a 500 KB file referring to one sample dict 250000 times (torch.save stores a
+    shared object once) took 167 s and 2.9 GB to read: every place was walked and copied. Each stored
+    object is now read once and shared; an expanded view inside it still counts at every place."""
+    from glmkit.inputs import MAX_EXPANDED_ELEMENTS
+    from glmkit.parity.rollout_data import load_rollout_data
+
+    sample = {"tokens": list(range(3, 503)), "response_length": 400, "rollout_log_probs": [-1.0] * 400,
+              "loss_mask": [1] * 400}
+    torch.save({"samples": [sample] * 20000}, tmp_path / "shared.pt")
+    data = load_rollout_data(tmp_path / "shared.pt", 1024)
+    assert len(data.samples) == 20000 and data.samples[0].tokens == list(range(3, 503))
+    assert data.samples[5].tokens is data.samples[19999].tokens and data.samples[5].engine is data.samples[7].engine
+    view = torch.ones(1, dtype=torch.long).expand(MAX_EXPANDED_ELEMENTS // 4)  # a quarter of the bound
+    torch.save({"samples": [dict(sample, tokens=view)] * 5}, tmp_path / "views.pt")
+    with pytest.raises(ValueError, match=r"views\.pt: samples\[4\]: expanded views of 4194304 elements, met again"):
+        load_rollout_data(tmp_path / "views.pt", 1024)

@@ -170,6 +170,17 @@ def load_rollout_data(path, vocab_size: int | None = None) -> RolloutData:
                          f"(--save-debug-rollout-data), got {type(raw).__name__}"
                          + (f" with keys {sorted(map(str, raw))[:8]}" if isinstance(raw, dict) else ""))
     samples = []
+    # a file may refer to one stored list from many samples (torch.save keeps one copy of an object
+    # shared): each is validated once and shared, not copied per sample (a 500 KB file referring to
+    # one sample 250000 times took 167 s and 2.9 GB to read)
+    read = {}
+
+    def once(value, what, make):
+        key = (id(value), what)
+        if key not in read:
+            read[key] = (value, make())  # the value kept with it, so its id is not reused meanwhile
+        return read[key][1]
+
     for k, s in enumerate(raw["samples"]):
         where = f"{path}: samples[{k}]"
         if not isinstance(s, dict):
@@ -178,18 +189,20 @@ def load_rollout_data(path, vocab_size: int | None = None) -> RolloutData:
             if s.get(key) is None:
                 raise ValueError(f"{where}: no {key!r} (the engine's log-probs are saved only when the rollout "
                                  f"asked for them)" if key == "rollout_log_probs" else f"{where}: no {key!r}")
-        tokens = _int_list(s["tokens"], f"{where}.tokens")
+        tokens = once(s["tokens"], "tokens", lambda: _int_list(s["tokens"], f"{where}.tokens"))
         expected = f"an integer from 1 to {len(tokens) - 1} (the tokens hold prompt + response)"
         length = _integer(s["response_length"], f"{where}.response_length", expected)
         if not 0 < length < len(tokens):
             raise ValueError(f"{where}.response_length: {length!r}; expected 1 to {len(tokens) - 1} "
                              f"(the tokens hold prompt + response)")
-        if vocab_size is not None and any(not 0 <= t < vocab_size for t in tokens):
-            bad = next(t for t in tokens if not 0 <= t < vocab_size)
+        bad = once(tokens, "outside the vocabulary", lambda: next(
+            (t for t in tokens if not 0 <= t < vocab_size), None) if vocab_size is not None else None)
+        if bad is not None:
             raise ValueError(f"{where}.tokens: token id {bad} is outside the checkpoint's vocabulary of {vocab_size}")
-        engine = _float_list(s["rollout_log_probs"], length, f"{where}.rollout_log_probs")
-        mask = [1] * length if s.get("loss_mask") is None else \
-            [int(bool(v)) for v in _float_list(s["loss_mask"], length, f"{where}.loss_mask")]
+        engine = once(s["rollout_log_probs"], ("log-probs", length),
+                      lambda: _float_list(s["rollout_log_probs"], length, f"{where}.rollout_log_probs"))
+        mask = [1] * length if s.get("loss_mask") is None else once(s["loss_mask"], ("mask", length), lambda: [
+            int(bool(v)) for v in _float_list(s["loss_mask"], length, f"{where}.loss_mask")])
         reward = s.get("reward")
         samples.append(RolloutSample(k, _plain(s.get("index"), f"{where}.index"),
                                      _plain(s.get("group_index"), f"{where}.group_index"),
