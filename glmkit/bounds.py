@@ -3,18 +3,56 @@ with the numbers, instead of running the machine out of memory or hanging."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 FLOAT32_MAX = 3.4028234663852886e38  # the largest float32: settings the model computes with must stay within it
 
 
 def free_bytes(device: str) -> int:
-    """Memory a run may still take on `device`: free GPU memory, or available host memory."""
+    """Memory a run may still take on `device`: free GPU memory, or available host memory, within
+    what this process's memory cgroup (a container's limit) still allows."""
     if str(device).startswith("cuda"):
         import torch
 
         return torch.cuda.mem_get_info()[0]
     import psutil
 
-    return psutil.virtual_memory().available
+    available = psutil.virtual_memory().available
+    room = cgroup_room()
+    return available if room is None else min(available, room)
+
+
+UNLIMITED = 1 << 60  # cgroup v1 writes "no limit" as a number near 2**63
+
+
+def cgroup_room(proc: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -> int | None:
+    """Bytes this process's memory cgroup and its ancestors still allow (the tightest limit less its
+    usage), or None where none is set: a container killed past its limit sees the host's free memory
+    in psutil (cgroup v2: memory.max / memory.current; v1: memory.limit_in_bytes / usage_in_bytes)."""
+    try:
+        lines = Path(proc).read_text().splitlines()
+    except OSError:
+        return None
+    rooms = []
+    for line in lines:
+        _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if controllers == "":  # v2's unified hierarchy
+            base, limit_name, usage_name = Path(root), "memory.max", "memory.current"
+        elif "memory" in controllers.split(","):
+            base, limit_name, usage_name = Path(root) / "memory", "memory.limit_in_bytes", "memory.usage_in_bytes"
+        else:
+            continue
+        folder = base / path.strip("/")
+        for group in [folder, *folder.relative_to(base).parents]:
+            group = base / group if group != folder else folder
+            try:
+                limit = (group / limit_name).read_text().strip()
+                usage = int((group / usage_name).read_text().strip())
+            except (OSError, ValueError):
+                continue
+            if limit.isdigit() and int(limit) < UNLIMITED:
+                rooms.append(max(0, int(limit) - usage))
+    return min(rooms) if rooms else None
 
 
 def bytes_per_token(config) -> int:

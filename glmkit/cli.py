@@ -136,7 +136,7 @@ def main(argv=None) -> int:
 # options whose value is a path: given as '' (an unset shell variable) it would silently mean the default
 PATH_OPTIONS = ("checkpoint", "checkpoint_b", "prompt_data", "eval_prompt_data", "metrics_out", "job_metrics_out",
                 "miles_dir", "out", "path", "replay_topk_from", "save", "save_captures", "src", "tokenizer",
-                "train_data", "weight_update_dir", "hf", "torch_dist", "allow_updates_from", "load", "ref_load")
+                "train_data", "weight_update_dir", "hf", "torch_dist", "allow_updates_from", "load", "ref_load", "json")
 
 
 def _empty_path(args) -> str | None:

@@ -363,8 +363,12 @@ def staging_dir(target: Path, what: str) -> Path:
     prefix = _staging_prefix(target)
     refuse_name_without_room(target)
     staged = Path(tempfile.mkdtemp(prefix=prefix, dir=target.parent))
-    staged.chmod(0o777 & ~_umask())  # a usual folder's mode, not mkdtemp's 0700
-    mark(staged, what)
+    try:
+        staged.chmod(0o777 & ~_umask())  # a usual folder's mode, not mkdtemp's 0700
+        mark(staged, what)
+    except BaseException:  # a full disk: the empty, unmarked folder would stay, since only marked ones are cleaned
+        shutil.rmtree(staged, ignore_errors=True)
+        raise
     return staged
 
 
@@ -435,11 +439,16 @@ class RunLock:
                 raise ValueError(f"{self.flag} {self.target}: its lock file {self.path} is {what.removeprefix('is ')}"
                                  f", not glmkit's; remove it if no run holds it") from None
             raise
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
             os.close(fd)
             raise ValueError(f"{self.flag} {self.target}: its lock file {self.path} is "
                              f"{(not_a_file(self.path) or 'not a regular file').removeprefix('is ')}, not glmkit's; "
                              f"remove it if no run holds it")
+        if info.st_nlink > 1:  # a hard link to another file: writing the holder's line would replace its text
+            os.close(fd)
+            raise ValueError(f"{self.flag} {self.target}: its lock file {self.path} is a hard link to another file "
+                             f"({info.st_nlink} names), not glmkit's; remove it if no run holds it")
         os.set_blocking(fd, True)
         return os.fdopen(fd, "r+", encoding="utf-8", errors="replace")
 

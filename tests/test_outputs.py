@@ -115,6 +115,11 @@ def test_a_lock_file_that_is_a_link_a_fifo_or_a_folder_is_refused_and_links_shar
         RunLock(target, "--save").__enter__()
     assert victim.read_text() == "the user's data\n" * 100
     lock_file.unlink()
+    os.link(victim, lock_file)  # hostile pass 12: a hard link was truncated and written as a stale lock
+    with pytest.raises(ValueError, match=r"its lock file .* is a hard link to another file \(2 names\), not glmkit's"):
+        RunLock(target, "--save").__enter__()
+    assert victim.read_text() == "the user's data\n" * 100
+    lock_file.unlink()
     os.mkfifo(lock_file)
     with pytest.raises(ValueError, match=r"is a named pipe \(FIFO\), not glmkit's"):
         RunLock(target, "--save").__enter__()
@@ -517,3 +522,64 @@ def test_overwrite_refuses_a_marker_that_lists_nothing(tmp_path):
     (listed / "model.safetensors").write_bytes(b"x")
     record_entries(listed)
     assert check_dir_out(listed, "--out", overwrite=True) == listed
+
+
+def test_free_memory_is_what_the_processs_cgroup_still_allows(tmp_path):
+    """Hostile pass 12: in a 3 GiB memory cgroup psutil reported the host's 22 GiB free, a sample
+    needing 5.2 GiB passed the check and the kernel killed the process (137, no message). The room
+    under the tightest limit of the cgroup and its ancestors counts (v1 and v2 layouts)."""
+    from glmkit.bounds import cgroup_room
+
+    def tree(lines, files):
+        (tmp_path / "proc").write_text("\n".join(lines) + "\n")
+        for name, text in files.items():
+            (tmp_path / "sys" / name).parent.mkdir(parents=True, exist_ok=True)
+            (tmp_path / "sys" / name).write_text(text)
+        return cgroup_room(str(tmp_path / "proc"), str(tmp_path / "sys"))
+
+    gib = 1 << 30
+    # v1: the process's group has no limit of its own; its parent allows 3 GiB and uses 1 GiB
+    assert tree(["4:memory:/jobs/run1", "0::/"], {
+        "memory/jobs/run1/memory.limit_in_bytes": str(9223372036854771712),
+        "memory/jobs/run1/memory.usage_in_bytes": str(gib),
+        "memory/jobs/memory.limit_in_bytes": str(3 * gib), "memory/jobs/memory.usage_in_bytes": str(gib)}) == 2 * gib
+    # v2: "max" is no limit; the tighter of two limits wins
+    assert tree(["0::/a/b"], {"a/b/memory.max": str(4 * gib), "a/b/memory.current": str(3 * gib),
+                              "a/memory.max": "max", "a/memory.current": "5"}) == gib
+    assert tree(["0::/"], {"memory.max": "max", "memory.current": "5"}) is None  # no limit anywhere
+    assert cgroup_room(str(tmp_path / "missing"), str(tmp_path / "sys")) is None
+
+
+def test_a_full_disk_at_the_first_marker_leaves_no_lock_and_no_staging_folder(tmp_path, monkeypatch):
+    """Hostile pass 12: out of disk while writing the metrics file's marker, `train` left its lock file
+    (the next run took it over with a warning); while writing a staging folder's marker, `capture` left
+    an empty unmarked folder that no later run would clean. Both are gone now."""
+    import errno
+
+    from glmkit import outputs
+    from glmkit.rl import loop
+    from glmkit.rl.loop import GRPOTrainer, TrainConfig
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    trainer = GRPOTrainer(TrainConfig(model_name="tiny", num_rollout=1, metrics_out=str(tmp_path / "m.jsonl"),
+                                      progress=False))
+    monkeypatch.setattr(loop, "mark_file", full)
+    with pytest.raises(OSError, match="No space left"):
+        trainer.run()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # neither the lock nor a marker nor the file
+    monkeypatch.setattr(outputs, "mark", full)
+    with pytest.raises(OSError, match="No space left"):
+        outputs.staging_dir(tmp_path / "cap", "parity capture")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_conflicting_train_options_and_an_empty_json_path_are_bad_input(tmp_path):
+    """Hostile pass 12: `--data-parallel` with `--weight-update distributed` ended in exit 1 (a bare
+    SystemExit), and `--json ''` was silently taken as no --json at all."""
+    out = glmkit("train", "--data-parallel", "gloo", "--rollout-url", "http://127.0.0.1:1", "--weight-update",
+                 "distributed", "--metrics-out", tmp_path / "m.jsonl")
+    assert out.returncode == 2 and "glmkit train: error: --data-parallel and --weight-update distributed" in out.stderr
+    out = glmkit("parity", "--checkpoint", ROOT / "glmkit/assets/tiny_start", "--json", "")
+    assert out.returncode == 2 and "--json" in out.stderr and "empty path" in out.stderr, out.stderr

@@ -36,7 +36,7 @@ def cmd_train(args) -> int:
 
     rollout = None
     if args.data_parallel and args.rollout_url and args.weight_update == "distributed":  # every rank stops here
-        raise SystemExit("glmkit train: --data-parallel and --weight-update distributed both need this process's "
+        raise ValueError("--data-parallel and --weight-update distributed both need this process's "
                          "torch.distributed group; use --weight-update tensor or disk with --data-parallel")
     # under data parallelism rank 0 alone rolls out: the other ranks build no client (torchrun sets RANK)
     lead = not args.data_parallel or os.environ.get("RANK", "0") == "0"

@@ -1204,16 +1204,16 @@ class GRPOTrainer:
         `max_nonfinite_steps` optimizer steps in a row had a NaN / Inf loss or gradient."""
         cfg = self.cfg
         out = Path(cfg.metrics_out)
-        if self.lead:
-            out.parent.mkdir(parents=True, exist_ok=True)
         history = []
         steps = range(self.state.step, cfg.num_rollout)
         bar = tqdm(steps, desc="GRPO", unit="rollout", disable=not (cfg.progress and self.lead))
-        # other data-parallel ranks compute the same rows and keep them; rank 0 alone writes them
-        if self.lead and (not cfg.resume or not is_glmkit_file(out)):  # a new stream names the run writing it
-            mark_file(out, "metrics file")  # the marker first: a metrics file never stands unmarked
-            out.touch()
-        try:
+        try:  # the locks go at the end, however it ends (a full disk at the marker too)
+            if self.lead:
+                out.parent.mkdir(parents=True, exist_ok=True)
+            # other data-parallel ranks compute the same rows and keep them; rank 0 alone writes them
+            if self.lead and (not cfg.resume or not is_glmkit_file(out)):  # a new stream names the run writing it
+                mark_file(out, "metrics file")  # the marker first: a metrics file never stands unmarked
+                out.touch()
             return self._run(out, bar, history, on_metrics)
         finally:
             self.release()
