@@ -88,6 +88,15 @@ def check_loaded_tensors(value, file: str) -> None:
     _check_tensors(value, file, "", 0, expanded, {})
 
 
+def shown_key(key, limit: int = 40) -> str:
+    """A key read from a file, as a message names it: its text cut to `limit` characters (a key
+    nested too deeply to print, such as a tuple 3000 levels deep, is named by its type)."""
+    try:
+        return str(key)[:limit]
+    except RecursionError:
+        return f"<a {type(key).__name__} nested too deeply to show>"
+
+
 _PLAIN = (int, float, str, bool, type(None))  # nothing to check inside: a list of token ids is skimmed
 
 
@@ -111,7 +120,7 @@ def _check_items(value, file: str, place: str, depth: int, expanded: list, seen:
         for key, item in value.items():
             if type(item) in _PLAIN:
                 continue
-            name = key if isinstance(key, str) and key.isidentifier() else f"[{str(key)[:40]!r}]"
+            name = key if isinstance(key, str) and key.isidentifier() else f"[{shown_key(key)!r}]"
             _check_tensors(item, file, f"{place}.{name}" if place and name[0] != "[" else place + name, depth + 1,
                            expanded, seen)
     elif isinstance(value, (list, tuple)):

@@ -6,6 +6,7 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -276,3 +277,16 @@ def test_captures_that_disagree_on_a_sites_shape_name_both_captures():
     with pytest.raises(ValueError, match=re.escape("site 1/attn_out is [3, 8] in /runs/a and [3, 9] in /runs/b: "
                                                    "the captures disagree")):
         compare(a, b)
+
+
+@pytest.mark.parametrize("seq_len", [2, 3])
+def test_sequences_shorter_than_one_indexer_pool_compare_on_every_path(seq_len, capsys):
+    """Hostile pass 12: with fewer tokens than index_kpool (4 on tiny) the reference capture failed to
+    flatten its empty pool scores, and the rollout's decode step read a pool's span past its cache
+    (both exit 3). Every path pair now compares them."""
+    from glmkit.cli import main
+
+    tiny = str(Path(__file__).resolve().parents[1] / "glmkit/assets/tiny_start")
+    for paths in ("reference,train", "train,rollout", "reference,rollout"):
+        assert main(["parity", "--checkpoint", tiny, "--seq-len", str(seq_len), "--paths", paths]) == 0, paths
+        assert "verdict: pass" in capsys.readouterr().out

@@ -410,3 +410,24 @@ def test_one_sample_the_file_refers_to_many_times_is_read_once(tmp_path):
     torch.save({"samples": [dict(sample, tokens=view)] * 5}, tmp_path / "views.pt")
     with pytest.raises(ValueError, match=r"views\.pt: samples\[4\]: expanded views of 4194304 elements, met again"):
         load_rollout_data(tmp_path / "views.pt", 1024)
+
+
+def test_keys_nested_too_deeply_to_print_are_named_by_type(tmp_path):
+    """Hostile pass 12: a dict key that is a tuple 3000 levels deep ended in exit 3 (RecursionError
+    printing it) where the file is refused; the message now names its type."""
+    from glmkit.parity.rollout_data import load_rollout_data, load_trainer_logprobs
+
+    key = ()
+    for _ in range(3000):
+        key = (key,)
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(20000)  # pickling the key recurses (torch's safe reader does not)
+    try:
+        torch.save({key: 1, "rollout_id": 0}, tmp_path / "top.pt")
+        torch.save({"rollout_data": {key: 1}}, tmp_path / "train.pt")
+    finally:
+        sys.setrecursionlimit(limit)
+    with pytest.raises(ValueError, match=r"got dict with keys \['<a tuple nested too deeply to show>', 'rollout_id'\]"):
+        load_rollout_data(tmp_path / "top.pt")
+    with pytest.raises(ValueError, match=r"\(keys: \['<a tuple nested too deeply to show>'\]\)"):
+        load_trainer_logprobs(tmp_path / "train.pt")

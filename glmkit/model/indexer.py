@@ -230,6 +230,9 @@ class LightningIndexer(nn.Module):
         visible = lengths + 1
         completed = visible % self.kpool == 0
         span = (visible - self.kpool).clamp(min=0)[:, None] + torch.arange(self.kpool, device=x.device)
+        # a row with fewer than kpool tokens reads (and then discards) a whole pool's span: kept inside a
+        # cache shorter than one pool; the span of a completed pool ends at `lengths`, so it is unchanged
+        span = span.clamp(max=state.keys.shape[1] - 1)
         pooled = self._compress(state.keys[rows[:, None], span], state.gates[rows[:, None], span], ops)
         slot = (visible // self.kpool - 1).clamp(min=0)
         state.pools[rows, slot] = torch.where(completed[:, None], pooled, state.pools[rows, slot])

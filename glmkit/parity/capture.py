@@ -216,7 +216,7 @@ def capture_reference(ref, sequences, topk_replay: dict | None = None, keep_logi
     rows_now = {}
 
     def put(layer, site, value):
-        sink.put(layer, site, value.reshape(-1, *value.shape[2:]), rows_now["rows"])
+        sink.put(layer, site, value.flatten(0, 1), rows_now["rows"])
 
     last_topk = {}
     replay = None
@@ -349,7 +349,7 @@ class HookCapturer:
     @staticmethod
     def _default_rows(name, output):
         t = output[0] if isinstance(output, (tuple, list)) else output
-        return t.reshape(-1, *t.shape[2:]) if t.dim() > 2 else t
+        return t.flatten(0, 1) if t.dim() > 2 else t
 
     def chunks(self) -> list:
         return list(self.model) if isinstance(self.model, (list, tuple)) else [self.model]

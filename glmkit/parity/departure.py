@@ -245,7 +245,7 @@ def capture_gradients(path: str, checkpoint, sequences, dtype=torch.float32, dev
 
             def hook(g, key=(layer, site)):
                 g = g.detach().float().cpu()
-                pieces.setdefault(key, []).append((rows, g.reshape(-1, *g.shape[2:]) if flatten else g))
+                pieces.setdefault(key, []).append((rows, g.flatten(0, 1) if flatten else g))
 
             value.register_hook(hook)
         return keep

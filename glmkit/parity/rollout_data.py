@@ -28,7 +28,7 @@ import torch
 from glmkit.bounds import FLOAT32_MAX
 from tqdm import tqdm
 
-from glmkit.inputs import UNPICKLE_ERRORS, check_loaded_tensors, not_a_file
+from glmkit.inputs import UNPICKLE_ERRORS, check_loaded_tensors, not_a_file, shown_key
 
 DEFAULT_THRESHOLD = 0.02  # mean |logp - reference| per sample; the recipe's healthy abs diff is ~0.007
 WORST_TOKENS = 8
@@ -168,7 +168,7 @@ def load_rollout_data(path, vocab_size: int | None = None) -> RolloutData:
     if not isinstance(raw, dict) or not isinstance(raw.get("samples"), list):
         raise ValueError(f"{path}: not the framework's rollout data: expected a dict with a 'samples' list "
                          f"(--save-debug-rollout-data), got {type(raw).__name__}"
-                         + (f" with keys {sorted(map(str, raw))[:8]}" if isinstance(raw, dict) else ""))
+                         + (f" with keys {sorted(map(shown_key, raw))[:8]}" if isinstance(raw, dict) else ""))
     samples = []
     # a file may refer to one stored list from many samples (torch.save keeps one copy of an object
     # shared): each is validated once and shared, not copied per sample (a 500 KB file referring to
@@ -234,7 +234,7 @@ def load_trainer_logprobs(path) -> dict[tuple, list[float]]:
                          f"slice of every sample; glmkit reads cp_size 1 train data only")
     for key in ("tokens", "log_probs"):
         if not isinstance(data.get(key), (list, tuple)):
-            raise ValueError(f"{path}: rollout_data[{key!r}] is missing or not a list (keys: {sorted(map(str, data))[:12]})")
+            raise ValueError(f"{path}: rollout_data[{key!r}] is missing or not a list (keys: {sorted(map(shown_key, data))[:12]})")
     if len(data["tokens"]) != len(data["log_probs"]):
         raise ValueError(f"{path}: rollout_data has {len(data['tokens'])} token sequences but "
                          f"{len(data['log_probs'])} log-prob lists")

@@ -100,7 +100,7 @@ def stream_parity(checkpoint, sequences, dtype=torch.float32, device="cpu", back
         # reference, one unpadded sequence at a time, its sites through hooks
         rows_now = {}
         hooks = hook_reference_layer(ref_layer, i, lambda layer, site, v: ref_sink.put(
-            layer, site, v.reshape(-1, *v.shape[2:]), rows_now["rows"]), {})
+            layer, site, v.flatten(0, 1), rows_now["rows"]), {})
         outs = []
         try:
             for n, (s, e) in enumerate(packed.bounds()):
