@@ -2,6 +2,7 @@
 (engine or trainer) and its tokens; files that need pickle refused."""
 
 import sys
+from pathlib import Path
 
 sys.modules.setdefault("fla", None)
 
@@ -431,3 +432,19 @@ def test_keys_nested_too_deeply_to_print_are_named_by_type(tmp_path):
         load_rollout_data(tmp_path / "top.pt")
     with pytest.raises(ValueError, match=r"\(keys: \['<a tuple nested too deeply to show>'\]\)"):
         load_trainer_logprobs(tmp_path / "train.pt")
+
+
+def test_ids_from_the_file_cannot_write_to_the_terminal(rollout_file, tmp_path, capsys):
+    """Hostile pass 12: a rollout_id of "\\x1b[31mX\\n\\nverdict: pass" reached the terminal raw: an escape
+    sequence, and a forged verdict line above the real one (fail). Such text is shown as its repr."""
+    from glmkit.cli import main
+    from glmkit.parity.rollout_data import _load
+
+    data = _load(Path(rollout_file), "rollout data")  # with the numpy arrays routing replay saves
+    data["rollout_id"] = "\x1b[31mX\n\nverdict: pass"
+    data["samples"][BROKEN_SAMPLE]["index"] = "\x1b[2Jwiped"
+    torch.save(data, tmp_path / "forged.pt")
+    assert main(["rollout-data", str(tmp_path / "forged.pt"), "--checkpoint", str(CKPT)]) == 1
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and [line for line in out.splitlines() if line.startswith("verdict:")] == ["verdict: fail"]
+    assert "(rollout '\\x1b[31mX\\n\\nverdict: pass'" in out and "'\\x1b[2Jwiped'" in out

@@ -318,7 +318,7 @@ class RolloutAttribution:
 
     def text(self) -> str:
         sides = self.sides()
-        lines = [f"rollout data: {self.path} (rollout {self.rollout_id}, {len(self.samples)} samples)",
+        lines = [f"rollout data: {self.path} (rollout {_label(self.rollout_id)}, {len(self.samples)} samples)",
                  f"  against {self.checkpoint}; trainer side: {self.trainer_source}",
                  f"  train/train_rollout_logprob_abs_diff = {self.logprob_abs_diff:.4g}",
                  f"  departs (mean |diff| vs the reference > {self.threshold:g}): engine {sides['engine']}, "
@@ -330,19 +330,28 @@ class RolloutAttribution:
             engine, trainer = _mean_cell(a.engine_vs_reference, a.engine_nonfinite), \
                 _mean_cell(a.trainer_vs_reference, a.trainer_nonfinite)
             pair = _mean_cell(a.engine_vs_trainer, max(a.engine_nonfinite, a.trainer_nonfinite))
-            lines.append(f"  {str(j['index']):>6} {engine:>11} {trainer:>11} {pair:>14}  {a.departs}")
+            lines.append(f"  {_label(j['index']):>6} {engine:>11} {trainer:>11} {pair:>14}  {a.departs}")
         if len(self.samples) > len(shown):
             lines.append(f"  ... {len(self.samples) - len(shown)} more samples (see --json)")
         for a in self.departing[:5]:
             worst = ", ".join(f"pos {w['position']} (token {w['token']}): engine {w['engine']:.4g}, reference "
                               f"{w['reference']:.4g}, trainer {w['trainer']:.4g}" for w in a.worst_tokens[:3])
-            lines.append(f"  sample {a.to_json()['index']} worst: {worst}")
+            lines.append(f"  sample {_label(a.to_json()['index'])} worst: {worst}")
         nonfinite = sum(a.engine_nonfinite + a.trainer_nonfinite for a in self.samples)
         if nonfinite:
             lines.append(f"  {nonfinite} counted log-probs are NaN or infinite (shown as 'nonfinite:N'); the abs "
                          f"diff above counts them as 0, as the framework's metric does")
         lines.append(f"verdict: {self.verdict}")
         return "\n".join(lines)
+
+
+def _label(value, limit: int = 40) -> str:
+    """An id or index from the file as the terminal shows it: text with control characters (an escape
+    sequence, a newline forging a line of the report) as its repr, and no longer than `limit`."""
+    text = str(value)
+    if not text.isprintable():
+        text = repr(text)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _mean_cell(mean: float, nonfinite: int) -> str:
