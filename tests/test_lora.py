@@ -72,3 +72,18 @@ def test_cli_prepare_lists_targets_and_refuses_frozen():
     bad = subprocess.run([sys.executable, "-m", "glmkit", "lora", "prepare", "--model-name", "GLM-5.3-Flash-4layer",
                           "--exclude-modules", "*.mlp.experts.*"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "kv_b_proj is absorbed" in bad.stderr
+
+
+def test_a_rank_no_adapted_projection_can_use_is_refused(model):
+    """Hostile pass 12: --lora-rank 65536 on tiny (projections at most 64 wide on their smaller side)
+    made 336M trainable parameters and took 7.7 GB. A rank up to the widest smaller side is taken."""
+    names = lora.select(model, "attn,mlp")
+    widest = max(min(m.in_features, m.out_features) for n, m in model.named_modules() if n in names)
+    with pytest.raises(ValueError, match=rf"--lora-rank 65536: above every adapted projection's smaller side "
+                                         rf"\(the largest is {widest}\); use a rank of at most {widest}"):
+        lora.apply_lora(model, names, 65536, 32.0)
+    assert all(p.requires_grad for p in model.parameters())  # refused before anything was frozen
+    assert lora.apply_lora(model, names, widest, 32.0) == names
+    bad = subprocess.run([sys.executable, "-m", "glmkit", "lora", "prepare", "--model-name", "GLM-5.3-Flash-4layer",
+                          "--lora-rank", "65536"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "--lora-rank 65536: above every adapted projection's smaller side" in bad.stderr

@@ -98,6 +98,7 @@ def cmd_lora_prepare(args) -> int:
     with torch.device("meta"):
         model = Glm5Model(config)
     names = lora.select(model, args.target_modules, args.exclude_modules)
+    lora.check_rank_fits(model, names, args.lora_rank)
     for row in lora.table(model, names):
         print(f"{row['module']:48s} {row['layer_type']:4s} {str(row['shape']):14s} "
               f"rank-{args.lora_rank} adapter: {args.lora_rank * sum(row['shape'])} params")

@@ -131,9 +131,21 @@ def check_settings(rank: int, alpha: float) -> None:
                          f"framework's launchers use 32")
 
 
+def check_rank_fits(model, names: list[str], rank: int) -> None:
+    """A rank no adapted projection can use is refused: past a projection's smaller side (min of in and
+    out features) an adapter gains parameters and no capacity (--lora-rank 65536 on tiny's 64-wide
+    projections made 336M trainable parameters and 7.7 GB)."""
+    modules = dict(model.named_modules())
+    widest = max((min(modules[n].in_features, modules[n].out_features) for n in names), default=0)
+    if names and rank > widest:
+        raise ValueError(f"--lora-rank {rank}: above every adapted projection's smaller side (the largest is "
+                         f"{widest}); use a rank of at most {widest}")
+
+
 def apply_lora(model, names: list[str], rank: int, alpha: float) -> list[str]:
     """Freeze every parameter, then wrap the named projections with trainable adapters."""
     check_settings(rank, alpha)
+    check_rank_fits(model, names, rank)
     for p in model.parameters():
         p.requires_grad_(False)
     modules = dict(model.named_modules())
