@@ -387,3 +387,24 @@ def test_a_ray_address_urllib_cannot_parse_is_named(address, reason):
     with pytest.raises(ClusterUnreachable, match=re.escape(needle)):
         _check_address(address)
     assert _check_address("ray://head:10001") == ("ray", "head", 10001)
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("--lora-rank", "-5", "must be >= 1 and <= 65536, got -5"),
+    ("--lora-dropout", "2", "must be >= 0 and <= 1, got 2"),
+    ("--rollout-temperature", "-3", "must be >= 0, got -3"),
+    ("--n-samples-per-prompt", "0", "must be >= 1, got 0"),
+    ("--num-rollout", "-4", "must be >= 1, got -4"),
+    ("--rollout-max-response-len", "-1", "must be >= 1, got -1"),
+    ("--sglang-mem-fraction-static", "7", "must be > 0 and <= 1, got 7"),
+    ("--lora-alpha", "0", "must be > 0, got 0"),
+    ("--lr", "inf", "must be a finite number, got 'inf'"),
+])
+def test_launcher_numbers_the_framework_cannot_run_are_refused_by_range(option, value, message, capsys):
+    """Hostile pass 12: the preflight passed --lora-rank -5, --lora-dropout 2, --rollout-temperature -3,
+    --n-samples-per-prompt 0 and more with exit 0, and printed them into the launcher's command."""
+    from glmkit.cli import main
+
+    with pytest.raises(SystemExit) as stopped:  # argparse's own exit, before anything runs
+        main(["launch", "--dry-run", "--lora", "--gpu-memory-gib", "80", option, value])
+    assert stopped.value.code == 2 and f"argument {option}: {message}" in capsys.readouterr().err

@@ -6,8 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from glmkit.commands.args import (DTYPES, DEVICES, _finite_positive, _positive, _seed, _non_negative, _gpu_fraction,
-                                  _print_verdict)
+from glmkit.commands.args import (DTYPES, DEVICES, MAX_LORA_RANK, _finite, _finite_positive, _int_at_least, _positive,
+                                  _seed, _non_negative, _gpu_fraction, _print_verdict)
 
 
 def _launcher_options(args) -> dict:
@@ -144,12 +144,39 @@ def _launch_builtin(args) -> int:
     return 0 if verdict["verdict"] == "pass" else 1
 
 
+# The launcher's numbers the framework could not run with: each refused at the command line, naming
+# its range, instead of reaching the cluster's job (lowest, highest, whether the lowest itself is out).
+LAUNCHER_RANGES = {
+    "num_nodes": (1, None, False), "num_gpus_per_node": (1, None, False), "num_rollout": (1, None, False),
+    "rollout_max_response_len": (1, None, False), "tensor_model_parallel_size": (0, None, False),
+    "lora_rank": (1, MAX_LORA_RANK, False), "lora_alpha": (0, None, True), "lora_dropout": (0, 1, False),
+    "rollout_batch_size": (1, None, False), "n_samples_per_prompt": (1, None, False),
+    "global_batch_size": (1, None, False), "rollout_temperature": (0, None, False),
+    "rollout_num_gpus_per_engine": (0, None, False), "sglang_mem_fraction_static": (0, 1, True),
+    "lr": (0, None, True)}
+
+
+def _in_range(kind: str, field: str):
+    """An argparse type: an int or finite float in LAUNCHER_RANGES[field] (any, where none is listed)."""
+    low, high, open_low = LAUNCHER_RANGES.get(field, (None, None, False))
+
+    def parse(text: str):
+        value = _int_at_least(-(1 << 62), "integer")(text) if kind == "int" else _finite(text)
+        if low is not None and (value < low or (open_low and value == low)) or high is not None and value > high:
+            lowest = f"> {low}" if open_low else f">= {low}"
+            raise argparse.ArgumentTypeError(f"must be {lowest}{f' and <= {high}' if high is not None else ''}, "
+                                             f"got {text}")
+        return value
+    parse.__name__ = "integer" if kind == "int" else "finite number"
+    return parse
+
+
 def _launcher_arguments(p) -> None:
     """Every option of the recipe's two launchers, by its own name (default None: the launcher's own
     default applies); the builtin backend reads the ones it shares (num-rollout, batch sizes, ...)."""
     from glmkit.launch.launcher import ALL_FIELDS, option_spec
 
-    types = {"int": int, "float": float, "str": str}
+    types = {"str": str}
     for field in ALL_FIELDS:
         option = option_spec(field)
         default = "" if option.default in (None, "") else f" (launcher default {option.default})"
@@ -164,7 +191,8 @@ def _launcher_arguments(p) -> None:
         elif option.kind == "list":
             p.add_argument(option.flag, dest=field, action="append", help=text)
         else:
-            p.add_argument(option.flag, dest=field, type=types[option.kind], help=text)
+            kind = types.get(option.kind) or _in_range(option.kind, field)
+            p.add_argument(option.flag, dest=field, type=kind, help=text)
     # the names glmkit used before it took the launcher's own
     p.add_argument("--nodes", dest="num_nodes", type=_positive, help=argparse.SUPPRESS)
     p.add_argument("--gpus-per-node", dest="num_gpus_per_node", type=_positive, help=argparse.SUPPRESS)
