@@ -64,8 +64,8 @@ def record_autotune_keys() -> list:
         fn = self.fn
         while not isinstance(fn, JITFunction):
             fn = fn.fn
-        parts = {"triton": digest(triton_key()), "backend": digest(make_backend(driver.active.get_current_target()).hash()),
-                 "source": digest(fn.cache_key), "env": digest(sorted(get_cache_invalidating_env_vars().items())),
+        backend = make_backend(driver.active.get_current_target()).hash()
+        parts = {"triton": digest(triton_key()), "backend": digest(backend), "source": digest(fn.cache_key), "env": digest(sorted(get_cache_invalidating_env_vars().items())),
                  "tuning_key": digest(tuning_key), "configs": digest([str(c) for c in configs])}
         hit = original(self, tuning_key, configs, bench_fn)
         seen.append({"function": fn.__name__, "hit": bool(hit), "parts": parts, "tuning_key": str(tuning_key)[:300]})
@@ -96,7 +96,8 @@ def child(path: str) -> dict:
     torch.cuda.synchronize()
     result = {"path": path, "build_s": time.perf_counter() - start}
     if path == "forward":
-        call = glmkit_forward(model, BACKENDS, token_batch(config.vocab_size, 1, int(os.environ.get("FIRST_CALL_T", 8192))))
+        length = int(os.environ.get("FIRST_CALL_T", 8192))  # a shorter forward tunes the same kernels
+        call = glmkit_forward(model, BACKENDS, token_batch(config.vocab_size, 1, length))
     elif path == "train":
         call = glmkit_train(model, BACKENDS, token_batch(config.vocab_size, 1, 4096), False)
     else:
@@ -149,8 +150,8 @@ def autotune_misses(cold: list, warm: list) -> list[str]:
             continue
         best = min(before, key=lambda c: sum(c["parts"][k] != v for k, v in lookup["parts"].items()))
         moved = [k for k, v in lookup["parts"].items() if best["parts"][k] != v]
-        lines.append(f"autotune miss {lookup['function']}: {'key parts moved: ' + ', '.join(moved) if moved else 'same key (the cold process did not store it)'}"
-                     f" (tuning key {lookup['tuning_key'][:120]})")
+        why = "key parts moved: " + ", ".join(moved) if moved else "same key (the cold process did not store it)"
+        lines.append(f"autotune miss {lookup['function']}: {why} (tuning key {lookup['tuning_key'][:120]})")
     return lines
 
 
