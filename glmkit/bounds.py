@@ -42,9 +42,8 @@ def cgroup_room(proc: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -
             base, limit_name, usage_name = Path(root) / "memory", "memory.limit_in_bytes", "memory.usage_in_bytes"
         else:
             continue
-        folder = base / path.strip("/")
-        for group in [folder, *folder.relative_to(base).parents]:
-            group = base / group if group != folder else folder
+        group = base / path.strip("/")
+        for group in [group, *(above for above in group.parents if above == base or base in above.parents)]:
             try:
                 limit = (group / limit_name).read_text().strip()
                 usage = int((group / usage_name).read_text().strip())

@@ -6,8 +6,9 @@ import argparse
 import sys
 from pathlib import Path
 
-from glmkit.commands.args import (DTYPES, DEVICES, MAX_LORA_RANK, _finite, _finite_positive, _int_at_least, _positive,
+from glmkit.commands.args import (DTYPES, DEVICES, MAX_LORA_RANK, _finite, _finite_positive, _positive,
                                   _seed, _non_negative, _gpu_fraction, _print_verdict)
+from glmkit.inputs import ascii_int
 
 
 def _launcher_options(args) -> dict:
@@ -161,7 +162,7 @@ def _in_range(kind: str, field: str):
     low, high, open_low = LAUNCHER_RANGES.get(field, (None, None, False))
 
     def parse(text: str):
-        value = _int_at_least(-(1 << 62), "integer")(text) if kind == "int" else _finite(text)
+        value = ascii_int(text) if kind == "int" else _finite(text)  # argparse names a ValueError's input
         if low is not None and (value < low or (open_low and value == low)) or high is not None and value > high:
             lowest = f"> {low}" if open_low else f">= {low}"
             raise argparse.ArgumentTypeError(f"must be {lowest}{f' and <= {high}' if high is not None else ''}, "

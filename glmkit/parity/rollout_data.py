@@ -195,8 +195,8 @@ def load_rollout_data(path, vocab_size: int | None = None) -> RolloutData:
         if not 0 < length < len(tokens):
             raise ValueError(f"{where}.response_length: {length!r}; expected 1 to {len(tokens) - 1} "
                              f"(the tokens hold prompt + response)")
-        bad = once(tokens, "outside the vocabulary", lambda: next(
-            (t for t in tokens if not 0 <= t < vocab_size), None) if vocab_size is not None else None)
+        bad = None if vocab_size is None else once(
+            tokens, "outside the vocabulary", lambda: next((t for t in tokens if not 0 <= t < vocab_size), None))
         if bad is not None:
             raise ValueError(f"{where}.tokens: token id {bad} is outside the checkpoint's vocabulary of {vocab_size}")
         engine = once(s["rollout_log_probs"], ("log-probs", length),
