@@ -118,19 +118,24 @@ def main(argv=None) -> int:
     default_show = warnings.showwarning
     default_term = _on_sigterm(_terminate)
     try:
-        warnings.showwarning = _glmkit_warnings(args.command, default_show)
-        _require_device(args)
-        return args.func(args)
-    except Exception as err:  # noqa: BLE001 - the error contract: each kind of failure its exit code
-        return _answer_failure(args.command, err)
+        try:
+            warnings.showwarning = _glmkit_warnings(args.command, default_show)
+            _require_device(args)
+            return args.func(args)
+        except Exception as err:  # noqa: BLE001 - the error contract: each kind of failure its exit code
+            return _answer_failure(args.command, err)  # a stop while this answers is caught below
     except KeyboardInterrupt as stop:
+        _on_sigterm(_already_stopping)  # a scheduler's repeated SIGTERM must not break this last line
         how = "terminated" if isinstance(stop, Terminated) else "interrupted"
         print(f"glmkit {args.command}: {how} (outputs are renamed into place only when complete: nothing "
               f"half-written is left as if it were whole)", file=sys.stderr)
         return EXIT_TERMINATED if isinstance(stop, Terminated) else EXIT_INTERRUPTED
     finally:
         warnings.showwarning = default_show
-        _on_sigterm(default_term)
+        if _on_sigterm(default_term) is _already_stopping:  # the process ends now: later SIGTERMs are no news
+            import signal  # (SIG_IGN: Python's shutdown resets its own handlers to the default, which kills)
+
+            _on_sigterm(signal.SIG_IGN)
 
 
 # options whose value is a path: given as '' (an unset shell variable) it would silently mean the default
@@ -153,7 +158,14 @@ class Terminated(KeyboardInterrupt):
 
 
 def _terminate(signum, frame):
+    # Only the first SIGTERM unwinds: schedulers repeat theirs (and escalate to SIGKILL), and a second
+    # Terminated raised inside the cleanup the first one started would cut that cleanup short.
+    _on_sigterm(_already_stopping)
     raise Terminated()
+
+
+def _already_stopping(signum, frame):
+    """SIGTERM while the process already unwinds from one: it is stopping; nothing more to do."""
 
 
 def _on_sigterm(handler):
