@@ -13,6 +13,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from glmkit.native_log import condense_native_traces
+
 BACKENDS = ("gloo", "nccl")
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
@@ -27,6 +29,7 @@ def init_group(backend: str, gpu: int = 0, timeout_s: float = 600.0, **init) -> 
         if not torch.cuda.is_available():
             raise ValueError("a nccl process group needs CUDA; this machine has none (use gloo)")
         torch.cuda.set_device(gpu)
+    condense_native_traces()  # a failed rendezvous is answered by its exception, not c10d's C++ frames
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **init)
 
 

@@ -15,7 +15,7 @@ PACKAGE = Path(glmkit.__file__).parent
 # Bottom first. A unit is a top-level module of glmkit or a folder (all the modules in it).
 LAYERS = [
     ("base", {"__init__", "inputs", "bounds", "config", "report", "outputs", "seal", "tokenizer", "collectives",
-              "comparison"}),
+              "comparison", "native_log"}),
     ("kernels", {"kernels"}),
     ("checkpoint", {"checkpoint"}),
     ("model", {"model", "reference"}),

@@ -931,6 +931,30 @@ def test_sigterm_while_a_group_join_waits_for_its_trainer_answers_503():
     assert answer.json()["success"] is False and "the server is shutting down" in answer.json()["message"]
 
 
+def test_a_join_whose_trainer_never_comes_is_400_and_one_line_per_message_in_the_log():
+    """Hostile pass 12 (F09): the client got 400 JSON, but torch's c10d wrote ~39 lines of C++ frames
+    to the server's log. Each of its messages is one line now, the frames summed up in one more."""
+    server = Server()
+    try:
+        answer = post(server, "/init_weights_update_group", {
+            "master_address": "127.0.0.1", "master_port": free_port(), "rank_offset": 1, "world_size": 2,
+            "backend": "gloo", "timeout_s": 1})
+        assert answer.status_code == 400 and answer.json()["success"] is False, answer.text[:300]
+        assert "timed out" in answer.json()["message"]
+        assert post(server, "/generate", {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1}}).ok
+        server.proc.terminate()
+        server.proc.wait(30)
+    finally:
+        if server.proc.poll() is None:
+            server.kill()
+    deadline = time.time() + 10  # the filter process passes the lines on a moment later
+    while "(torch's C++ stack trace, " not in "".join(server.output) and time.time() < deadline:
+        time.sleep(0.1)
+    output = "".join(server.output)
+    assert "[c10d]" in output and "(torch's C++ stack trace, " in output, output[-3000:]
+    assert "frame #" not in output and "Traceback" not in output, output[-3000:]
+
+
 def test_a_sigint_the_server_was_started_to_ignore_is_ignored():
     """Hostile pass 11: started in the background of a script (SIGINT ignored, as bash does), the
     server stopped on SIGINT with exit 0 and no line: uvicorn took the signal over."""

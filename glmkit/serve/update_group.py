@@ -30,6 +30,7 @@ def new_named_group(backend: str, master_address: str, master_port: int, world_s
     from torch.distributed import distributed_c10d as c10d
 
     from glmkit.collectives import NO_MULTICAST
+    from glmkit.native_log import condense_native_traces
 
     if backend not in BACKENDS:
         raise ValueError(f"process group backend {backend!r}; allowed: {', '.join(BACKENDS)}")
@@ -39,6 +40,7 @@ def new_named_group(backend: str, master_address: str, master_port: int, world_s
         os.environ.update(NO_MULTICAST)
         if not torch.cuda.is_available():
             raise ValueError("a nccl process group needs CUDA; this machine has none (use gloo)")
+    condense_native_traces()  # a failed rendezvous is answered by its exception, not c10d's C++ frames
     timeout = datetime.timedelta(seconds=timeout_s)
     url = f"tcp://{_bracketed(master_address)}:{int(master_port)}"
     store, rank, world_size = next(c10d.rendezvous(url, rank, world_size, timeout=timeout))
