@@ -112,8 +112,14 @@ def main(argv=None) -> int:
         return _internal_error("arguments", err)
     empty = _empty_path(args)
     if empty:
-        print(f"glmkit {args.command}: error: --{empty.replace('_', '-')} is an empty path; give a file or directory "
-              f"(or leave the option out)", file=sys.stderr)
+        flag = f"--{empty.replace('_', '-')}"
+        given = sys.argv[1:] if argv is None else [str(a) for a in argv]
+        if any(a.startswith("--") and len(a) > 2 and flag.startswith(a.split("=", 1)[0]) for a in given):
+            print(f"glmkit {args.command}: error: {flag} is an empty path; give a file or directory "
+                  f"(or leave the option out)", file=sys.stderr)
+        else:  # a positional argument: named as its usage line shows it
+            print(f"glmkit {args.command}: error: the {empty.upper()} argument is an empty path; give a file or "
+                  f"directory", file=sys.stderr)
         return EXIT_BAD_INPUT
     default_show = warnings.showwarning
     default_term = _on_sigterm(_terminate)

@@ -351,6 +351,22 @@ def refuse_name_without_room(target: Path, flag: str | None = None) -> None:
                          f"{longest}); use a shorter name")
 
 
+def make_folder(folder: Path, flag: str | None, given=None) -> None:
+    """`folder` and its parents made for the output `flag` names (`given`, as the user wrote it). A place
+    no folder can be made in (a file on the way, /proc, /sys) is bad input naming the flag; a full or
+    read-only disk, or a permission, stays the environment's error."""
+    import errno
+
+    try:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        if err.errno not in (errno.ENOENT, errno.ENOTDIR, errno.EEXIST):
+            raise
+        where = f"{flag} {given if given is not None else folder}" if flag else str(given or folder)
+        raise ValueError(f"{where}: no folder can be made at {err.filename or folder} ({err.strerror}); give a "
+                         f"path in a writable folder") from None
+
+
 def staging_dir(target: Path, what: str) -> Path:
     """A new, marked staging directory beside `target`, after removing stale ones of earlier writes to it."""
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -467,7 +483,7 @@ class RunLock:
             raise ValueError(f"{self.flag} {self.given}: {why}; give the path of a regular file or folder")
         refuse_name_without_room(self.target, self.flag)
         self._refuse_inside_a_locked_output()
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        make_folder(self.path.parent, self.flag, self.given)
         for _ in range(100):
             handle = self._open()
             handle.seek(0)

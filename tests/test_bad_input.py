@@ -1148,6 +1148,12 @@ def test_pass_8_small_inputs_each_get_one_line_and_exit_2(tmp_path, capsys):
          f"-p out_dir {tmp_path / 'other'}: the notebook's out_dir is the report directory"),
         (["lora", "prepare", "--lora-alpha", "1e39"], "--lora-alpha 1e+39: beyond float32's range"),
         (["parity", "--checkpoint", str(ckpt), "--paths", "train,train"], "compares train with itself"),
+        # hostile pass 12: a positional argument was called --path, and /proc named neither flag nor reason
+        (["rollout-data", "", "--checkpoint", str(ckpt)], "the PATH argument is an empty path"),
+        (["train", "--lora-rank", "4", "--lora-alpha", "0"], "--lora-alpha must be > 0 (alpha / rank scales"),
+        (["rollout-data", "x.pt", "--check", ""], "--checkpoint is an empty path"),
+        (["check", "--out", "/proc/glmkit-out"], "--out /proc/glmkit-out/check: no folder can be made at "
+                                                 "/proc/glmkit-out (No such file or directory)"),
     ]
     for argv, needle in cases:
         assert cli_main(argv) == 2, argv
@@ -1211,3 +1217,21 @@ def test_a_tampered_optimizer_state_is_named_before_resume_loads_it(tmp_path):
     for key in ("999999.exp_avg", "nodot", "0.momentum"):
         with pytest.raises(ValueError, match=rf"tensor '{key}' is not a moment of this run's optimizer"):
             restore(tensors=dict(moments, **{key: torch.zeros(1)}))
+
+
+def test_an_unknown_parity_path_is_refused_before_any_model_loads(monkeypatch, capsys):
+    """Hostile pass 12: `--paths train,bogus` loaded and ran the train path before naming 'bogus'."""
+    import glmkit.model
+    import glmkit.reference
+    from glmkit.cli import main as cli_main
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(glmkit.model, "load_model", no_model)
+    monkeypatch.setattr(glmkit.reference, "load_reference", no_model)
+    ckpt = Path(__file__).resolve().parents[1] / "glmkit" / "assets" / "tiny_start"
+    assert cli_main(["parity", "--checkpoint", str(ckpt), "--paths", "train,bogus"]) == 2
+    err = capsys.readouterr().err
+    assert err == ("glmkit parity: error: unknown path 'bogus'; allowed: reference, train, rollout, "
+                   "sglang:http://HOST:PORT or a capture directory\n"), err

@@ -191,6 +191,10 @@ class AdapterRef:  # stands in for miles' multi-LoRA class: loading it would nee
     ("length", "samples[0].response_length"),
     ("empty", "holds no samples"),
     ("garbage", "not a readable torch.save file"),
+    # hostile pass 12: these were "expected 1 to -1", a pass over nothing compared, and True read as 1.0
+    ("no-tokens", "samples[0].tokens: 0 token(s); a sample holds at least 2 (its prompt and its response)"),
+    ("masked-out", "every sample's loss_mask is all zeros: no response token is counted"),
+    ("bool-logprobs", "samples[0].rollout_log_probs: expected a list of"),
 ])
 def test_bad_files_are_exit_2_with_the_reason(damage, message, rollout_file, tmp_path, capsys):
     raw = torch.load(rollout_file, weights_only=False)
@@ -209,6 +213,13 @@ def test_bad_files_are_exit_2_with_the_reason(damage, message, rollout_file, tmp
         raw["samples"][0]["response_length"] = len(raw["samples"][0]["tokens"])
     elif damage == "empty":
         raw["samples"] = []
+    elif damage == "no-tokens":
+        raw["samples"][0]["tokens"] = []
+    elif damage == "masked-out":
+        for sample in raw["samples"]:
+            sample["loss_mask"] = [False] * sample["response_length"]  # booleans are a mask's values
+    elif damage == "bool-logprobs":
+        raw["samples"][0]["rollout_log_probs"] = [True] * raw["samples"][0]["response_length"]
     if damage == "garbage":
         path.write_bytes(b"\x00not torch")
     else:

@@ -64,11 +64,13 @@ def _parity(args) -> int:
     import json
 
     from glmkit.outputs import check_dir_out, claim_file, write_marked
-    from glmkit.parity.builtin import parity
+    from glmkit.parity.builtin import check_path_name, parity
 
     paths = [p.strip() for p in args.paths.split(",") if p.strip()]
     if len(paths) != 2:
         raise ValueError(f"--paths takes two paths separated by a comma, got {args.paths!r}")
+    for path in paths:
+        check_path_name(path)
     if paths[0] == paths[1] and not args.checkpoint_b:  # a path against itself can only pass
         raise ValueError(f"--paths {args.paths}: compares {paths[0]} with itself; give two paths, or --checkpoint-b to "
                          f"compare two checkpoints on one path")

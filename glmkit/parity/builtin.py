@@ -59,8 +59,15 @@ def capture_path(path: str, checkpoint, sequences, prompt_lengths, dtype=torch.f
         if topk_replay:
             raise ValueError(f"{path}: a server cannot replay DSA selections; use --replay-topk off")
         return capture_sglang(path[len(SGLANG_PREFIX):], sequences, open_checkpoint(checkpoint).config, **meta)
-    if Path(path).is_dir():
-        return load_dir(path).capture
+    check_path_name(path)
+    return load_dir(path).capture
+
+
+def check_path_name(path: str) -> None:
+    """A path parity can run: a live one, a server, or a folder (read later); anything else refused by
+    name, before any model loads."""
+    if path in LIVE_PATHS or path.startswith(SGLANG_PREFIX) or Path(path).is_dir():
+        return
     raise ValueError(f"unknown path {path!r}; allowed: {', '.join(LIVE_PATHS)}, sglang:http://HOST:PORT or a "
                      f"capture directory")
 

@@ -112,11 +112,13 @@ def _floats(value: list, where: str) -> list[float]:
     return [math.copysign(math.inf, v) if abs(v) > FLOAT32_MAX else v for v in floats]
 
 
-def _float_list(value, n: int, where: str) -> list[float]:
+def _float_list(value, n: int, where: str, bools: bool = False) -> list[float]:
+    """`n` finite numbers; True/False only where `bools` (a mask), never as a log-prob."""
     if isinstance(value, torch.Tensor) or hasattr(value, "tolist"):
         value = value.tolist()
-    if not isinstance(value, (list, tuple)) or not all(isinstance(v, (int, float)) for v in value):
-        raise ValueError(f"{where}: expected a list of {n} numbers")
+    if not isinstance(value, (list, tuple)) or not all(
+            isinstance(v, (int, float)) and (bools or not isinstance(v, bool)) for v in value):
+        raise ValueError(f"{where}: expected a list of {n} numbers" + ("" if bools else " (not booleans)"))
     if len(value) != n:
         raise ValueError(f"{where}: {len(value)} values for {n} response tokens")
     return _floats(value, where)
@@ -190,6 +192,9 @@ def load_rollout_data(path, vocab_size: int | None = None) -> RolloutData:
                 raise ValueError(f"{where}: no {key!r} (the engine's log-probs are saved only when the rollout "
                                  f"asked for them)" if key == "rollout_log_probs" else f"{where}: no {key!r}")
         tokens = once(s["tokens"], "tokens", lambda: _int_list(s["tokens"], f"{where}.tokens"))
+        if len(tokens) < 2:
+            raise ValueError(f"{where}.tokens: {len(tokens)} token(s); a sample holds at least 2 (its prompt and "
+                             f"its response)")
         expected = f"an integer from 1 to {len(tokens) - 1} (the tokens hold prompt + response)"
         length = _integer(s["response_length"], f"{where}.response_length", expected)
         if not 0 < length < len(tokens):
@@ -202,7 +207,7 @@ def load_rollout_data(path, vocab_size: int | None = None) -> RolloutData:
         engine = once(s["rollout_log_probs"], ("log-probs", length),
                       lambda: _float_list(s["rollout_log_probs"], length, f"{where}.rollout_log_probs"))
         mask = [1] * length if s.get("loss_mask") is None else once(s["loss_mask"], ("mask", length), lambda: [
-            int(bool(v)) for v in _float_list(s["loss_mask"], length, f"{where}.loss_mask")])
+            int(bool(v)) for v in _float_list(s["loss_mask"], length, f"{where}.loss_mask", bools=True)])
         reward = s.get("reward")
         samples.append(RolloutSample(k, _plain(s.get("index"), f"{where}.index"),
                                      _plain(s.get("group_index"), f"{where}.group_index"),
@@ -211,6 +216,9 @@ def load_rollout_data(path, vocab_size: int | None = None) -> RolloutData:
                                      tokens, length, engine, mask))
     if not samples:
         raise ValueError(f"{path}: the file holds no samples")
+    if not any(any(s.mask) for s in samples):  # nothing counted: a 0 difference would pass unseen
+        raise ValueError(f"{path}: every sample's loss_mask is all zeros: no response token is counted, so there "
+                         f"is nothing to compare")
     metadata = raw.get("metadata")
     if metadata is not None and not isinstance(metadata, dict):
         raise ValueError(f"{path}: metadata is a {type(metadata).__name__}; the framework writes a dict")

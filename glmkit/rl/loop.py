@@ -29,7 +29,7 @@ from glmkit.outputs import (MARKER, RunLock, check_dir_out, check_file_out, is_g
                             refuse_input_as_output, refuse_package_paths, refuse_replacing,
                             added_entries, record_entries, staging_dir, through_link, usual_modes)
 from glmkit.report import write_atomic
-from glmkit.rl import grpo
+from glmkit.rl import grpo, lora
 from glmkit.rl.lora import DEFAULT_EXCLUDE
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
@@ -191,6 +191,8 @@ class TrainConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be a finite number, got {getattr(cfg, name)}")
         if cfg.lr <= 0:
             raise ValueError(f"--lr must be > 0, got {cfg.lr}")
+        if cfg.lora_rank:
+            lora.check_settings(cfg.lora_rank, cfg.lora_alpha)
         for name in ("adam_beta1", "adam_beta2"):
             if not 0 <= getattr(cfg, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be in [0, 1), got {getattr(cfg, name)}")
@@ -757,7 +759,6 @@ class GRPOTrainer:
 
     def _build(self, cfg, dtype, rollout, dp):
         from glmkit.model import TrainPath, load_model
-        from glmkit.rl import lora
 
         self.notes = _claim_outputs(cfg) if self.lead else []
         latest = _latest(cfg) if cfg.resume else None  # a bad resume marker too

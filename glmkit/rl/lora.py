@@ -123,11 +123,14 @@ def select(model, target_modules: str, exclude_modules: str = DEFAULT_EXCLUDE) -
 
 
 def check_settings(rank: int, alpha: float) -> None:
-    """A rank of at least 1, and an alpha that float32 holds (as training requires of every setting)."""
+    """A rank of at least 1, and a positive alpha that float32 holds (as training requires of every setting)."""
     if rank < 1:
         raise ValueError(f"--lora-rank must be >= 1, got {rank}")
     if not abs(alpha) <= FLOAT32_MAX:
         raise ValueError(f"--lora-alpha {alpha:g}: beyond float32's range (|x| <= {FLOAT32_MAX:.3g}); the "
+                         f"framework's launchers use 32")
+    if not alpha > 0:  # alpha / rank scales every adapter's output: 0 trains adapters that change nothing
+        raise ValueError(f"--lora-alpha must be > 0 (alpha / rank scales the adapters' output), got {alpha:g}; the "
                          f"framework's launchers use 32")
 
 
