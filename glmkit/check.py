@@ -44,6 +44,22 @@ def _prompts(config, seed: int) -> list[list[int]]:
     return [torch.randint(low, config.vocab_size, (n,), generator=g).tolist() for n in lengths]
 
 
+def check_decode_steps_fit(config, settings: CheckSettings) -> None:
+    """The check's sequences (its prompts and --decode-steps more tokens) within the model's context and
+    the memory the device has free, for glmkit's two paths and the reference's T x T scores, before
+    anything loads."""
+    from glmkit.bounds import check_sequence_fits, check_tokens_fit
+
+    lengths = [len(p) + settings.decode_steps for p in _prompts(config, settings.seed)]
+    what = f"--decode-steps {settings.decode_steps}"
+    if max(lengths) > config.max_position_embeddings:
+        raise ValueError(f"{what}: the longest check sequence would hold {max(lengths)} tokens, past the model's "
+                         f"context of {config.max_position_embeddings}; use at most "
+                         f"{config.max_position_embeddings - max(lengths) + settings.decode_steps}")
+    check_tokens_fit(config, 1, sum(lengths), settings.device, what)
+    check_sequence_fits(config, max(lengths), settings.device, what)
+
+
 def _index_results(ref, ours, rows, config, limits: dict, tie: dict) -> list:
     """The reference's DSA selections (at token `rows`) against one glmkit path's, per layer."""
     results = []
@@ -74,6 +90,7 @@ def run_check(settings: CheckSettings, work_dir: Path) -> dict:
             synth_checkpoint(settings.variant, settings.seed, path, progress=False)
     ckpt = open_checkpoint(path)  # bad input fails here, before any progress is shown
     config = ckpt.config
+    check_decode_steps_fit(config, settings)
     bar = tqdm(total=6, desc="glmkit check", unit="stage")
     bar.set_postfix_str("loading"), bar.update()
     try:

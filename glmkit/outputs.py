@@ -160,12 +160,13 @@ def refuse_replacing(path: Path, flag: str, what: str, inputs: dict | None = Non
                          f"{action} only those: remove it yourself or choose another {flag}")
 
 
-def claim_file(path, flag: str, what: str, inputs: dict | None = None) -> Path:
+def claim_file(path, flag: str, what: str, inputs: dict | None = None, nested: bool = False) -> Path:
     """An output file a command (re)writes whole, checked before any work: not a directory, none of
-    the command's inputs, and when something is there already, a `what` glmkit marked, reached through
-    no link (so a re-run replaces its own result and nothing else)."""
+    the command's inputs (with `nested`, not inside an input folder either), and when something is
+    there already, a `what` glmkit marked, reached through no link (so a re-run replaces its own result
+    and nothing else)."""
     path = check_file_out(path, flag)
-    refuse_input_as_output(path, flag, inputs or {})
+    refuse_input_as_output(path, flag, inputs or {}, nested)
     if path.exists() or path.is_symlink():
         refuse_replacing(path, flag, what, inputs, action="glmkit replaces")
     return path
@@ -507,7 +508,7 @@ class RunLock:
         else:
             raise ValueError(f"{self.flag} {self.target}: its lock file {self.path} keeps changing; try again")
         holder = dict(part.split("=", 1) for part in before.split() if "=" in part)
-        if holder.get("host") not in (None, socket.gethostname()):
+        if holder.get("host") not in (None, "", socket.gethostname()):  # no host named: no other host's run
             fcntl.flock(handle, fcntl.LOCK_UN)
             handle.close()
             raise ValueError(f"{self.flag} {self.target} is locked by a run on another host ({before}); if that run "

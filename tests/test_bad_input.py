@@ -1151,6 +1151,10 @@ def test_pass_8_small_inputs_each_get_one_line_and_exit_2(tmp_path, capsys):
         # hostile pass 12: a positional argument was called --path, and /proc named neither flag nor reason
         (["rollout-data", "", "--checkpoint", str(ckpt)], "the PATH argument is an empty path"),
         (["train", "--lora-rank", "4", "--lora-alpha", "0"], "--lora-alpha must be > 0 (alpha / rank scales"),
+        (["parity", "--checkpoint", str(src), "--paths", "train,rollout", "--save-captures", str(src / "caps")],
+         f"--save-captures {src / 'caps'} is inside this run's --checkpoint ({src}); write it beside its input"),
+        (["ckpt", "verify-conversion", "--hf", str(ckpt), "--torch-dist", str(src), "--json", str(src / "v.json")],
+         f"--json {src / 'v.json'} is inside this run's --torch-dist ({src}); write it beside its input"),
         (["rollout-data", "x.pt", "--check", ""], "--checkpoint is an empty path"),
         (["check", "--out", "/proc/glmkit-out"], "--out /proc/glmkit-out/check: no folder can be made at "
                                                  "/proc/glmkit-out (No such file or directory)"),
@@ -1235,3 +1239,18 @@ def test_an_unknown_parity_path_is_refused_before_any_model_loads(monkeypatch, c
     err = capsys.readouterr().err
     assert err == ("glmkit parity: error: unknown path 'bogus'; allowed: reference, train, rollout, "
                    "sglang:http://HOST:PORT or a capture directory\n"), err
+
+
+def test_check_decode_steps_are_bounded_by_memory_before_anything_loads(monkeypatch, tmp_path, capsys):
+    """Hostile pass 12: `check --decode-steps 65536` had no memory estimate; it began a greedy rollout
+    whose reference pass needs hundreds of GiB. Now refused with both numbers before any model loads."""
+    import glmkit.bounds
+    import glmkit.model
+    from glmkit.cli import main as cli_main
+
+    monkeypatch.setattr(glmkit.bounds, "free_bytes", lambda device: 8 << 30)
+    monkeypatch.setattr(glmkit.model, "load_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    assert cli_main(["check", "--decode-steps", "65536", "--out", str(tmp_path / "c")]) == 2
+    err = capsys.readouterr().err
+    assert "--decode-steps 65536: 65577 tokens through the reference need at least 225 GiB" in err, err
+    assert "and cpu has 8 GiB free" in err, err

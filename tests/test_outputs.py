@@ -79,6 +79,13 @@ def test_a_stale_lock_is_taken_over_and_another_hosts_is_refused(tmp_path):
     lock_file.write_text("pid=12 host=elsewhere.example started=2026-01-01T00:00:00\n")
     with pytest.raises(ValueError, match="locked by a run on another host .*host=elsewhere.example"):
         RunLock(target, "--out").__enter__()
+    # hostile pass 12: a lock naming no host was "locked by a run on another host (host=)"
+    lock_file.write_text("pid=12 host= started=2026-01-01T00:00:00\n")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with RunLock(target, "--out"):
+            assert f"host={socket.gethostname()}" in lock_file.read_text()
+    assert any("took over the lock" in str(w.message) for w in caught)
 
 
 def test_an_output_that_is_a_pipe_or_a_device_is_refused_by_what_it_is(tmp_path):

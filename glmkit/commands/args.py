@@ -137,7 +137,8 @@ def _finding_command(args, run) -> int:
 
     with _json_lock(args):
         if args.json:
-            claim_file(args.json, "--json", "JSON result", _given_paths(args, "json"))  # before any work
+            # before any work; beside the checkpoints and files it reads, never into them
+            claim_file(args.json, "--json", "JSON result", _given_paths(args, "json"), nested=True)
         result = run()
         print(result.text())
         if args.json:

@@ -63,7 +63,7 @@ def cmd_parity(args) -> int:
 def _parity(args) -> int:
     import json
 
-    from glmkit.outputs import check_dir_out, claim_file, write_marked
+    from glmkit.outputs import check_dir_out, claim_file, refuse_input_as_output, write_marked
     from glmkit.parity.builtin import check_path_name, parity
 
     paths = [p.strip() for p in args.paths.split(",") if p.strip()]
@@ -88,8 +88,10 @@ def _parity(args) -> int:
             check_sequence_fits(config, args.seq_len, args.device, "--seq-len")
     # outputs are checked before the comparison runs, not after it
     if args.json:
-        claim_file(args.json, "--json", "JSON result", _given_paths(args, "json", "save_captures"))
-    if args.save_captures:
+        claim_file(args.json, "--json", "JSON result", _given_paths(args, "json", "save_captures"), nested=True)
+    if args.save_captures:  # beside the checkpoint and dumps it reads, never into them
+        refuse_input_as_output(args.save_captures, "--save-captures", _given_paths(args, "json", "save_captures"),
+                               nested=True)
         check_dir_out(args.save_captures, "--save-captures", whole=False)
     replay_from = None
     if args.replay_topk_from:
