@@ -948,6 +948,31 @@ def test_safetensors_header_length_is_bounded_before_it_is_read(tmp_path):
         read_header(file)
 
 
+def test_json_is_parsed_only_when_its_size_and_the_memory_it_takes_allow(tiny_ckpt, tmp_path, monkeypatch):
+    """Hostile pass 12: a 300 MB config.json was read whole, and a 96 MB safetensors header (within
+    safetensors' limit) took 2.2 GB as Python objects. A config past 16 MiB is refused unread; a header
+    is parsed only when ~32x its size is free."""
+    import glmkit.bounds
+    from glmkit.checkpoint import CheckpointError
+    from glmkit.checkpoint.hf import read_header
+
+    bad = copy_ckpt(tiny_ckpt, tmp_path / "bad")
+    config = json.loads((bad / "config.json").read_text())
+    config["padding"] = " " * (17 << 20)
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match=r"config.json: \d+ bytes; a config.json is read whole and glmkit reads "
+                                              r"at most 16777216 \(16 MiB\)"):
+        open_checkpoint(bad)
+    file = tmp_path / "one.safetensors"
+    header = json.dumps({"w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}).encode()
+    file.write_bytes(len(header).to_bytes(8, "little") + header + bytes(4))
+    assert read_header(file)["w"].shape == (1,)
+    monkeypatch.setattr(glmkit.bounds, "free_bytes", lambda device: 32 * len(header) - 1)
+    with pytest.raises(CheckpointError, match=rf"{len(header)} bytes of JSON take about .* GiB to parse and this "
+                                              rf"machine has"):
+        read_header(file)
+
+
 @pytest.mark.parametrize("signals", [1, 8])
 def test_sigterm_unwinds_like_ctrl_c_with_one_line(tmp_path, signals):
     """SIGTERM (a scheduler's stop) used to end the process with 143 and no word, locks left behind.

@@ -688,6 +688,22 @@ def test_a_stalled_body_is_answered_408_and_weights_have_their_own_body_limit():
         s.kill()
 
 
+def test_over_long_headers_are_answered_431_even_while_the_client_still_sends(server):
+    """Hostile pass 12: headers of megabytes got the connection reset (uvicorn answered 400 and closed
+    with the rest unread), so the client saw no answer. Now 431 naming the limit, and the rest of the
+    request is read and dropped before the connection closes; a request h11 cannot parse is 400."""
+    import socket
+
+    from glmkit.serve.connections import MAX_HEADER_BYTES
+
+    answer = requests.get(server.url + "/health", headers={"X-Big": "a" * (20 << 20)}, timeout=60)
+    assert answer.status_code == 431 and answer.text == f"the request line and headers exceed {MAX_HEADER_BYTES} bytes\n"
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as conn:
+        conn.sendall(b"NOT HTTP AT ALL\r\n\r\n")
+        assert conn.recv(200).startswith(b"HTTP/1.1 400 Bad Request\r\n")
+    assert requests.get(server.url + "/health", timeout=10).status_code == 200
+
+
 def test_headers_that_never_end_are_answered_408_and_connections_are_capped():
     """Hostile pass 6: connections that never finished their headers were held with no timeout (uvicorn has
     none), and 20k of them exhausted the descriptors. Now headers must arrive within --header-timeout-s of

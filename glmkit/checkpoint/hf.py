@@ -89,8 +89,20 @@ class TensorInfo:
 # ----------------------------------------------------------------------------- reading
 
 
+# A config.json is kilobytes, a full model's index a few megabytes (a name and a file per tensor);
+# anything past these is refused before it is read, so a huge file cannot take the machine's memory.
+MAX_JSON_BYTES = {CONFIG_FILE: 16 << 20, INDEX_FILE: 256 << 20}
+
+
 def _read_json(file: Path) -> dict:
+    limit = MAX_JSON_BYTES.get(file.name, 256 << 20)
+    if file.exists() and (why := not_a_file(file)) is not None:
+        raise CheckpointError(f"{file}: {why}, not a JSON file")
     try:
+        if file.stat().st_size > limit:
+            raise CheckpointError(f"{file}: {file.stat().st_size} bytes; a {file.name} is read whole and glmkit "
+                                  f"reads at most {limit} ({limit >> 20} MiB)")
+        check_json_fits(file, file.stat().st_size)
         text = file.read_text(encoding="utf-8")
     except OSError as e:
         raise CheckpointError(f"{file}: cannot read: {e}") from e
@@ -257,6 +269,7 @@ def read_header(file: Path) -> dict[str, TensorInfo]:
                 raise CheckpointError(
                     f"{file}: truncated safetensors file: header needs {header_len} bytes, "
                     f"file has {size - 8} after the length prefix")
+            check_json_fits(file, header_len)
             header = json.loads(fh.read(header_len))
     except PermissionError:
         raise  # the environment's (exit 4), not a damaged file
@@ -289,6 +302,21 @@ def read_header(file: Path) -> dict[str, TensorInfo]:
             f"file has {size} bytes")
     _probe_with_safetensors(file)
     return infos
+
+
+# Python's objects for parsed JSON take up to ~25x its bytes (a 96 MB header of small
+# entries took 2.2 GB); the bound below counts 32x.
+JSON_OBJECT_FACTOR = 32
+
+
+def check_json_fits(file: Path, size: int) -> None:
+    """A JSON text of `size` bytes is parsed only where the memory it takes as Python objects is free."""
+    from glmkit.bounds import free_bytes
+
+    need, have = JSON_OBJECT_FACTOR * size, free_bytes("cpu")
+    if need > have:
+        raise CheckpointError(f"{file}: {size} bytes of JSON take about {need / 2**30:.3g} GiB to parse and this "
+                              f"machine has {have / 2**30:.3g} GiB free")
 
 
 def _probe_with_safetensors(file: Path) -> None:

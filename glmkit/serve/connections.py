@@ -17,6 +17,8 @@ import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 FD_RESERVE = 32  # descriptors kept free beyond those open now: weight-update reads, logs, a traceback file
+MAX_HEADER_BYTES = 64 * 1024  # a request line and headers still incomplete past this are refused (431)
+LINGER_S, LINGER_BYTES = 2.0, 64 << 20  # after refusing a request, what of it is still read and dropped
 
 
 def _closing_answer(status: int, reason: str, text: str) -> bytes:
@@ -57,6 +59,7 @@ def bounded_protocol(header_timeout_s: float, max_connections: int) -> type[H11P
 
     class BoundedH11Protocol(H11Protocol):
         _header_timer = None
+        _lingering = None  # bytes dropped since a refusal; None while the connection serves
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
@@ -69,6 +72,11 @@ def bounded_protocol(header_timeout_s: float, max_connections: int) -> type[H11P
             self._arm_header_deadline()
 
         def data_received(self, data: bytes) -> None:
+            if self._lingering is not None:  # a refused request's rest: dropped, up to a bound
+                self._lingering += len(data)
+                if self._lingering > LINGER_BYTES:
+                    self.transport.close()
+                return
             super().data_received(data)
             if self.transport.is_closing():
                 return
@@ -81,6 +89,28 @@ def bounded_protocol(header_timeout_s: float, max_connections: int) -> type[H11P
         def connection_lost(self, exc) -> None:
             self._disarm_header_deadline()
             super().connection_lost(exc)
+
+        def send_400_response(self, msg: str) -> None:
+            # uvicorn answers a request h11 cannot parse with a bare 400 and closes at once: a client still
+            # sending its over-long headers then got a connection reset instead of the answer. The answer
+            # here says which limit, and the connection lingers (the rest read and dropped) before closing.
+            buffered = len(getattr(self.conn, "_receive_buffer", b""))
+            if buffered >= MAX_HEADER_BYTES:
+                answer = _closing_answer(431, "Request Header Fields Too Large",
+                                         f"the request line and headers exceed {MAX_HEADER_BYTES} bytes\n")
+            else:
+                answer = _closing_answer(400, "Bad Request", f"{msg} (not HTTP/1.1 that h11 can parse)\n")
+            self._disarm_header_deadline()
+            self.transport.write(answer)
+            self._linger()
+
+        def _linger(self) -> None:
+            self._lingering = 0
+            try:
+                self.transport.write_eof()  # the answer is whole: the client reads it while still sending
+            except (NotImplementedError, OSError, RuntimeError):
+                pass
+            self.loop.call_later(LINGER_S, self.transport.close)
 
         def on_response_complete(self) -> None:
             self._disarm_header_deadline()

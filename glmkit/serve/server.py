@@ -1490,7 +1490,7 @@ def serve(checkpoint, host: str = "127.0.0.1", port: int = 30000, device: str = 
     the line naming the address."""
     import uvicorn
 
-    from glmkit.serve.connections import bounded_protocol, connection_cap
+    from glmkit.serve.connections import MAX_HEADER_BYTES, bounded_protocol, connection_cap
 
     from glmkit.model import load_model
     from glmkit.tokenizer import has_tokenizer_files, load_tokenizer
@@ -1536,7 +1536,7 @@ def serve(checkpoint, host: str = "127.0.0.1", port: int = 30000, device: str = 
         warnings.warn(f"--max-connections {max_connections}: the descriptor limit (ulimit -n) leaves room for {cap}; "
                       f"serving at most {cap} connections at once")
     config = uvicorn.Config(app, log_level="warning", access_log=False, http=bounded_protocol(header_timeout_s, cap),
-                            timeout_graceful_shutdown=SHUTDOWN_GRACE_S)
+                            timeout_graceful_shutdown=SHUTDOWN_GRACE_S, h11_max_incomplete_event_size=MAX_HEADER_BYTES)
     batcher = app.state.batcher
 
     sigint_ignored = signal.getsignal(signal.SIGINT) is signal.SIG_IGN  # a background job of a script: nohup-like
