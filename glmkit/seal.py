@@ -77,10 +77,18 @@ def sanitize_html(fragment: str) -> str:
     if (depth := html_depth(fragment)) > MAX_HTML_DEPTH:
         return (f"<p><i>HTML nested {depth} elements deep (over {MAX_HTML_DEPTH}), shown as text</i></p>"
                 f"<pre>{html.escape(fragment)}</pre>")
-    return nh3.clean(fragment, tags=TAGS, attributes=ATTRIBUTES, attribute_filter=_attribute,
-                     url_schemes={"http", "https", "data"}, filter_style_properties=STYLE_PROPERTIES,
-                     clean_content_tags={"script", "style"}, link_rel="noopener noreferrer nofollow",
-                     strip_comments=True)
+    cleaned = nh3.clean(fragment, tags=TAGS, attributes=ATTRIBUTES, attribute_filter=_attribute,
+                        url_schemes={"http", "https", "data"}, filter_style_properties=STYLE_PROPERTIES,
+                        clean_content_tags={"script", "style"}, link_rel="noopener noreferrer nofollow",
+                        strip_comments=True)
+    return _FETCHING_STYLE.sub("", cleaned)
+
+
+# nh3 keeps an allowed property whatever its value, so `background-color: url(http://...)` (and
+# `u\72l(...)`, which it decodes to that) came through, and the report's last guard then refused the
+# whole page. A style attribute (as nh3 writes them: double-quoted) holding a CSS function that
+# fetches goes whole; browsers would drop such a declaration anyway, no allowed property takes an image.
+_FETCHING_STYLE = re.compile(r'\sstyle="[^"]*\b(?:url|image-set|src)\([^"]*"', re.IGNORECASE)
 
 
 class _FirstHead(HTMLParser):

@@ -159,6 +159,9 @@ BYPASSES = [
     '<math><a xlink:href="https://evil.example">m</a></math>',
     '<img src="//evil.example/protocol-relative.png">',
     '<a href="https://example.org/docs" target="_blank">a docs link</a>',
+    # hostile pass 12: an allowed property holding a url() (escaped too) made the last guard refuse the page
+    '<div style="background-color: url(https://evil.example/c.png); color: red">coloured</div>',
+    '<span style="color: u\\72l(https://evil.example/e.png)">escaped</span>',
 ]
 URL_ATTRIBUTES = {"src", "srcset", "href", "xlink:href", "action", "formaction", "poster", "background", "data",
                   "ping"}
