@@ -64,10 +64,8 @@ def test_ties_are_told_apart_and_replay_compares_like_for_like(tie_ckpt, paths):
     assert result.to_json()["sites"][0].keys() >= {"tied", "different", "identical"}
 
 
-def test_an_unnormalised_indexer_query_still_fails_at_that_layers_topk(tie_ckpt, monkeypatch):
-    """The reported indexer bug: the indexer fed q_a's output before its RMSNorm. Its rows differ for
-    real (not at a tied boundary), so neither the tie judgement nor the automatic replay hides it."""
-    name, path = tie_ckpt
+def unnormalised_indexer_query(monkeypatch) -> None:
+    """The reported indexer bug, put into glmkit's model: the indexer fed q_a's output before its RMSNorm."""
     project = SparseMLA._project
 
     def unnormalised(self, x):
@@ -75,6 +73,13 @@ def test_an_unnormalised_indexer_query_still_fails_at_that_layers_topk(tie_ckpt,
         return self.q_a_proj(x), q, latent
 
     monkeypatch.setattr(SparseMLA, "_project", unnormalised)
+
+
+def test_an_unnormalised_indexer_query_still_fails_at_that_layers_topk(tie_ckpt, monkeypatch):
+    """The reported indexer bug: its rows differ for real (not at a tied boundary), so neither the tie
+    judgement nor the automatic replay hides it."""
+    name, path = tie_ckpt
+    unnormalised_indexer_query(monkeypatch)
     result, _, _ = parity(path, ("reference", "train"), seq_len=64, batch=2)
     first = result.first_divergence
     assert result.verdict == "fail" and (first.layer, first.site) == (FIRST_DSA[name], "indexer_topk")
@@ -100,17 +105,26 @@ def test_check_and_parity_agree_on_ties_and_on_an_indexer_bug(tie_ckpt, tmp_path
     for paths in (("reference", "train"), ("reference", "rollout")):
         assert parity(path, paths, seq_len=64, batch=2)[0].verdict == "pass"
 
-    project = SparseMLA._project
-
-    def unnormalised(self, x):
-        _, q, latent = project(self, x)
-        return self.q_a_proj(x), q, latent
-
-    monkeypatch.setattr(SparseMLA, "_project", unnormalised)
+    unnormalised_indexer_query(monkeypatch)
     broken = check.run_check(check.CheckSettings(checkpoint=path, decode_steps=8), work_dir=tmp_path)
     assert broken["verdict"] == "fail"
     assert any(r["layer"] == first and not r["pass"] for r in broken["selections"])
     assert parity(path, ("reference", "train"), seq_len=64, batch=2)[0].verdict == "fail"
+
+
+def test_check_and_parity_agree_on_every_parity_configuration(ref_ckpt, tmp_path, monkeypatch):
+    """Issue 34's done-when, on the parity configurations (kpool 2, 4 and 8, shared indexers): check's
+    sequences and parity's, shorter than one pool and across several, pass on both; with the indexer
+    bug both fail."""
+    from glmkit import check
+
+    _, path = ref_ckpt
+    lives = (("reference", "train"), ("reference", "rollout"))
+    assert check.run_check(check.CheckSettings(checkpoint=path, decode_steps=4), tmp_path)["verdict"] == "pass"
+    assert [parity(path, paths, seq_len=n, batch=2)[0].verdict for paths in lives for n in (3, 37)] == ["pass"] * 4
+    unnormalised_indexer_query(monkeypatch)
+    assert check.run_check(check.CheckSettings(checkpoint=path, decode_steps=4), tmp_path)["verdict"] == "fail"
+    assert [parity(path, paths, seq_len=37, batch=2)[0].verdict for paths in lives] == ["fail"] * 2
 
 
 def test_a_perturbed_indexer_weight_fails(tie_ckpt, tmp_path):
