@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import threading
 
@@ -41,12 +40,14 @@ def condense_native_traces() -> bool:
             target = os.dup(2)
         except OSError:  # no stderr at all: nothing to condense
             return False
-        read_end, write_end = os.pipe()
+        read_end, write_end = os.pipe()  # both not inheritable: the filter sees the end once this process closes it
         try:
             # its own session: a terminal's Ctrl-C or a launcher's signal to this process group must not
-            # stop the filter before it has passed on what the dying process wrote
-            subprocess.Popen([sys.executable, "-m", "glmkit.native_log"], stdin=read_end, stdout=target,
-                             stderr=subprocess.DEVNULL, start_new_session=True, close_fds=True, env=_child_env())
+            # stop the filter before it has passed on what the dying process wrote. posix_spawn, not
+            # Popen: the filter outlives every Popen object (which would warn that it still runs).
+            os.posix_spawn(sys.executable, [sys.executable, "-m", "glmkit.native_log"], _child_env(),
+                           file_actions=[(os.POSIX_SPAWN_DUP2, read_end, 0), (os.POSIX_SPAWN_DUP2, target, 1),
+                                         (os.POSIX_SPAWN_OPEN, 2, os.devnull, os.O_WRONLY, 0)], setsid=True)
         except OSError:
             os.close(write_end)
             return False
