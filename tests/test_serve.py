@@ -528,6 +528,42 @@ def test_parity_against_the_server_fails_on_other_weights(server, tmp_path):
     assert "verdict: fail, first divergence at layer None, site logprobs" in run.stdout, run.stdout
 
 
+def test_log_probs_that_overflow_are_null_as_sglang_writes_them(server):
+    """Hostile pass 13 (G02): a finite weight update (lm_head 3e38) made teacher-forced log-probs
+    non-finite, and the answer was a 500 (JSON has no NaN). SGLang writes them with orjson, as null:
+    so does glmkit, in whole answers and in streamed chunks."""
+    from safetensors.torch import load_file
+
+    client = SGLangClient(server.url)
+    head = load_file(str(CKPT / "model.safetensors"))["lm_head.weight"]
+    client.update_weights_from_tensor({"lm_head.weight": torch.full_like(head, 3e38)})
+    try:
+        body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 0}, "return_logprob": True,
+                "logprob_start_len": 0}
+        answer = post(server, "/generate", body)
+        assert answer.status_code == 200, answer.text[:300]
+        logprobs = [lp for lp, _, _ in answer.json()["meta_info"]["input_token_logprobs"]]
+        assert logprobs[0] is None and None in logprobs[1:], logprobs  # NaN or -inf: null, strict JSON
+        streamed = requests.post(server.url + "/generate", json={**body, "stream": True,
+                                                                 "sampling_params": {"max_new_tokens": 1}}, timeout=60)
+        chunks = [line[6:] for line in streamed.text.splitlines() if line.startswith("data: {")]
+        assert streamed.status_code == 200 and chunks and all(json.loads(c, parse_constant=pytest.fail) for c in chunks)
+    finally:
+        client.update_weights_from_tensor({"lm_head.weight": head})
+
+
+def test_a_surrogates_utf8_bytes_in_a_body_are_400_not_500(server):
+    """Hostile pass 13 (G01): the UTF-8 bytes of a surrogate (ED A0 80, which is not UTF-8) in `text`,
+    `rid`, `stop` or a key were read by Python's json as a lone surrogate and answered 500."""
+    for body in (b'{"text": "\xed\xa0\x80", "sampling_params": {"max_new_tokens": 1}}',
+                 b'{"input_ids": [1, 2], "rid": "\xed\xa0\x80", "sampling_params": {"max_new_tokens": 1}}',
+                 b'{"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1, "stop": ["\xed\xb0\x80"]}}'):
+        answer = requests.post(server.url + "/generate", data=body, timeout=60,
+                               headers={"Content-Type": "application/json"})
+        assert answer.status_code == 400 and "lone UTF-16 surrogate" in answer.text, answer.text[:300]
+    assert post(server, "/generate", {"text": "caf\u00e9 \U0001f600", "sampling_params": {"max_new_tokens": 1}}).ok
+
+
 def test_grpo_with_the_server_as_rollout_backend(server, tmp_path):
     metrics = tmp_path / "metrics.jsonl"
     before = SGLangClient(server.url).model_info()["weight_version"]

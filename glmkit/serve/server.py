@@ -60,8 +60,28 @@ DEFAULT_BODY_TIMEOUT_S = 60.0
 # and connections beyond the cap are answered 503 (see glmkit/serve/connections.py).
 DEFAULT_HEADER_TIMEOUT_S = 10.0
 DEFAULT_MAX_CONNECTIONS = 2048
-# JSON may escape a UTF-16 surrogate; a lone one decodes to a str no tokenizer or encoder accepts
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+# JSON may escape a UTF-16 surrogate, and Python's json reads a surrogate's UTF-8 bytes (ED A0..BF ..,
+# not UTF-8 at all) as one too: a lone one decodes to a str no tokenizer or encoder accepts
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+
+
+def answer_json(value) -> str:
+    """An answer as JSON the way SGLang writes it (orjson): a non-finite float (a log-prob of weights
+    that overflow) is null, never a 500 and never the NaN token strict JSON readers refuse."""
+    try:
+        return json.dumps(value, allow_nan=False)
+    except ValueError:
+        return json.dumps(_nonfinite_as_null(value), allow_nan=False)
+
+
+def _nonfinite_as_null(value):
+    if isinstance(value, float):
+        return value if value == value and abs(value) != float("inf") else None
+    if isinstance(value, dict):
+        return {k: _nonfinite_as_null(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_nonfinite_as_null(v) for v in value]
+    return value
 
 
 def _lone_surrogate(value, where: str = "the body"):
@@ -1185,7 +1205,7 @@ def build_app(service: EngineService, window_s: float = 0.005, max_body: int = D
             status = _failure_status(err)
             return JSONResponse({"error": {"message": f"generation failed: {type(err).__name__}: {err}"
                                            + (OUT_OF_MEMORY_HINT if status == 503 else "")}}, status_code=status)
-        return answers if gen.batched else answers[0]
+        return Response(answer_json(answers if gen.batched else answers[0]), media_type="application/json")
 
     async def _stream_error(err: RequestError):
         payload = {"error": {"message": str(err), "type": "invalid_request_error", "code": err.status,
@@ -1211,7 +1231,7 @@ def build_app(service: EngineService, window_s: float = 0.005, max_body: int = D
                     queues[i] = asyncio.ensure_future(items[i].chunks.get())
                     if batched:
                         chunk = {**chunk, "index": i}
-                    yield f"data: {json.dumps(chunk)}\n\n"
+                    yield f"data: {answer_json(chunk)}\n\n"
             if batcher.closing:  # the last chunks say "abort": say why, as a stream's error chunk does
                 yield f"data: {json.dumps({'error': {'message': SHUTTING_DOWN, 'type': 'service_unavailable', 'code': 503, 'retryable': True}})}\n\n"
             yield "data: [DONE]\n\n"
