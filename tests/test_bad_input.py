@@ -1246,6 +1246,19 @@ def test_a_tampered_optimizer_state_is_named_before_resume_loads_it(tmp_path):
     for key in ("999999.exp_avg", "nodot", "0.momentum"):
         with pytest.raises(ValueError, match=rf"tensor '{key}' is not a moment of this run's optimizer"):
             restore(tensors=dict(moments, **{key: torch.zeros(1)}))
+    # hostile pass 13: a moment missing was a KeyError (exit 3); an empty, truncated or garbled file
+    # safetensors' own error (exit 3); a folder an OSError; a FIFO hung --resume, deaf to SIGTERM
+    with pytest.raises(ValueError, match=r"optimizer.safetensors: parameter 0 has no exp_avg \(AdamW keeps"):
+        restore(tensors={k: v for k, v in moments.items() if k != "0.exp_avg"})
+    file = folder / "optimizer.safetensors"
+    for damage, reason in ((lambda: file.write_bytes(b""), r"truncated safetensors file \(0 bytes, no header\)"),
+                           (lambda: file.write_bytes(b"\x10" + bytes(7) + b"{garbage}" + bytes(7)),
+                            "corrupt safetensors header"),
+                           (lambda: (file.unlink(), file.mkdir()), "is a directory, not a safetensors file"),
+                           (lambda: (file.rmdir(), os.mkfifo(file)), r"is a named pipe \(FIFO\), not a safetensors")):
+        damage()
+        with pytest.raises(ValueError, match=rf"optimizer.safetensors: {reason}.*; --resume cannot continue from it"):
+            restore()
 
 
 def test_an_unknown_parity_path_is_refused_before_any_model_loads(monkeypatch, capsys):

@@ -271,8 +271,8 @@ def read_header(file: Path) -> dict[str, TensorInfo]:
                     f"file has {size - 8} after the length prefix")
             check_json_fits(file, header_len)
             header = json.loads(fh.read(header_len))
-    except PermissionError:
-        raise  # the environment's (exit 4), not a damaged file
+    except (PermissionError, CheckpointError):
+        raise  # the environment's (exit 4), not a damaged file; or already named above
     except OSError as e:
         raise CheckpointError(f"{file}: cannot read: {e}") from e
     except (ValueError, RecursionError) as e:  # JSON / UTF-8 errors, nesting deeper than the parser goes

@@ -612,6 +612,13 @@ def _restore_optimizer(optimizer, folder: Path, param_groups):
                 ok = True
             if not ok:
                 refuse(f"{state_file}: param_groups[{k}].{name} is {got!r:.40}; this run's is {value!r:.40}")
+    from glmkit.checkpoint import CheckpointError
+    from glmkit.checkpoint.hf import read_header
+
+    try:  # a FIFO, a folder, an empty, truncated or garbled file: named by glmkit's reader, before loading
+        read_header(file)
+    except CheckpointError as err:
+        refuse(str(err))
     state = {}
     for key, value in load_file(str(file)).items():
         index, dot, name = key.partition(".")
@@ -622,6 +629,9 @@ def _restore_optimizer(optimizer, folder: Path, param_groups):
         if name != "step" and value.shape != shape:
             refuse(f"{file}: tensor {key!r} has shape {list(value.shape)}; its parameter's is {list(shape)}")
         state.setdefault(int(index), {})[name] = value
+    for index, moments in sorted(state.items()):
+        if missing := [name for name in MOMENTS if name not in moments]:
+            refuse(f"{file}: parameter {index} has no {'/'.join(missing)} (AdamW keeps {', '.join(MOMENTS)} for each)")
     optimizer.load_state_dict({"state": state, "param_groups": param_groups})
 
 
