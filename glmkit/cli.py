@@ -110,16 +110,9 @@ def main(argv=None) -> int:
         return EXIT_INTERRUPTED
     except Exception as err:  # noqa: BLE001 - a fault in an argument's type function: glmkit's, not the input's
         return _internal_error("arguments", err)
-    empty = _empty_path(args)
-    if empty:
-        flag = f"--{empty.replace('_', '-')}"
-        given = sys.argv[1:] if argv is None else [str(a) for a in argv]
-        if any(a.startswith("--") and len(a) > 2 and flag.startswith(a.split("=", 1)[0]) for a in given):
-            print(f"glmkit {args.command}: error: {flag} is an empty path; give a file or directory "
-                  f"(or leave the option out)", file=sys.stderr)
-        else:  # a positional argument: named as its usage line shows it
-            print(f"glmkit {args.command}: error: the {empty.upper()} argument is an empty path; give a file or "
-                  f"directory", file=sys.stderr)
+    bad_path = _bad_path(args, sys.argv[1:] if argv is None else [str(a) for a in argv])
+    if bad_path:
+        print(f"glmkit {args.command}: error: {bad_path}", file=sys.stderr)
         return EXIT_BAD_INPUT
     default_show = warnings.showwarning
     default_term = _on_sigterm(_terminate)
@@ -150,12 +143,29 @@ PATH_OPTIONS = ("checkpoint", "checkpoint_b", "prompt_data", "eval_prompt_data",
                 "train_data", "weight_update_dir", "hf", "torch_dist", "allow_updates_from", "load", "ref_load", "json")
 
 
-def _empty_path(args) -> str | None:
-    """The first path option given as an empty string, or None."""
-    for name in PATH_OPTIONS:
+def _breaks_a_line(c: str) -> bool:
+    """A C0 or C1 control character, DEL, or a Unicode line or paragraph separator."""
+    return ord(c) < 32 or 127 <= ord(c) < 160 or c in "\u2028\u2029"
+
+
+def _bad_path(args, given: list) -> str | None:
+    """Why the first path option given as an empty string, or holding a control character, cannot be
+    taken; None when all can. A line break or an escape in a path would be echoed into the one-line
+    error (or a report) as a second line the user did not write; no dataset needs one."""
+    for name in (*PATH_OPTIONS, "notebook"):
         value = getattr(args, name, None)
-        if value == "" or (isinstance(value, list) and "" in value):
-            return name
+        for one in value if isinstance(value, list) else [value]:
+            if not isinstance(one, str) or (one and not any(_breaks_a_line(c) for c in one)):
+                continue
+            flag = f"--{name.replace('_', '-')}"
+            if any(a.startswith("--") and len(a) > 2 and flag.startswith(a.split("=", 1)[0]) for a in given):
+                shown = flag
+            else:  # a positional argument: named as its usage line shows it
+                shown = f"the {name.upper()} argument"
+            if not one:
+                return f"{shown} is an empty path; give a file or directory" + (
+                    " (or leave the option out)" if shown == flag else "")
+            return f"{shown} {one!r} holds a control character (a line break, tab or escape); give a plain path"
     return None
 
 

@@ -1181,6 +1181,9 @@ def test_pass_8_small_inputs_each_get_one_line_and_exit_2(tmp_path, capsys):
         (["ckpt", "verify-conversion", "--hf", str(ckpt), "--torch-dist", str(src), "--json", str(src / "v.json")],
          f"--json {src / 'v.json'} is inside this run's --torch-dist ({src}); write it beside its input"),
         (["rollout-data", "x.pt", "--check", ""], "--checkpoint is an empty path"),
+        # hostile pass 13: a line break in a path made the one-line error two lines, the second forgeable
+        (["ckpt", "info", "/tmp/x\nglmkit ckpt: ok"], "the PATH argument '/tmp/x\\nglmkit ckpt: ok' holds a control"),
+        (["check", "--checkpoint", "a\x1b[31mb", "--out", str(tmp_path / "c")], "--checkpoint 'a\\x1b[31mb' holds a"),
         (["check", "--out", "/proc/glmkit-out"], "--out /proc/glmkit-out/check: no folder can be made at "
                                                  "/proc/glmkit-out (No such file or directory)"),
     ]

@@ -137,6 +137,12 @@ def test_the_users_paths_and_settings_reach_the_trainer():
         == "/p.jsonl"
     with pytest.raises(ValueError, match="not KEY=VALUE"):
         plan("GLM-5.3-Flash-4layer", 1, 8, options={"extra_env_vars": "JUSTAWORD"})
+    # hostile pass 13: JSON values that are not strings reached the job stringified (PATH=None)
+    for given, shown in (('{"PATH": null}', "'PATH' is null"), ('{"A": 1}', "'A' is 1"),
+                         ('{"C": {"x": 1}}', """'C' is {"x": 1}""")):
+        with pytest.raises(ValueError, match=rf"--extra-env-vars: the value of {re.escape(shown)}; environment values "
+                                             rf"must be JSON strings"):
+            plan("GLM-5.3-Flash-4layer", 1, 8, options={"extra_env_vars": given})
     lora = plan("GLM-5.3-Flash-4layer", 1, 8, lora=True, options={"use_r3": False, "task": "dapo-math"})
     assert "--no-use-r3" in lora.commands[-1].argv and not lora.routing_replay["on"]
     assert lora.paths["prompt_data"] == "/root/datasets/dapo-math-17k/dapo-math-17k.jsonl"

@@ -236,7 +236,13 @@ def parse_extra_env_vars(text: str) -> dict:
     except (ValueError, RecursionError):  # not JSON (or nested past Python's stack): read as K=V pairs
         value = None
     if isinstance(value, dict):
-        env = {str(k): str(v) for k, v in value.items()}
+        # Ray's runtime env takes strings only: 1, true, null or an object would reach the job as "1",
+        # "True", "None" (PATH=None) or a Python repr, so they are refused by name
+        wrong = next(((k, v) for k, v in value.items() if not isinstance(v, str)), None)
+        if wrong is not None:
+            raise ValueError(f"--extra-env-vars: the value of {wrong[0]!r} is {json.dumps(wrong[1])[:40]}; environment "
+                             f"values must be JSON strings (\"1\", not 1)")
+        env = {str(k): v for k, v in value.items()}
         bad = next((k for k in env if not k or "=" in k or "\0" in k or not k.isprintable()), None)
         if bad is not None:  # the process environment cannot hold such a name
             raise ValueError(f"--extra-env-vars: {bad!r} is not an environment variable name (non-empty, no '=', "
