@@ -44,14 +44,20 @@ def _prompts(config, seed: int) -> list[list[int]]:
     return [torch.randint(low, config.vocab_size, (n,), generator=g).tolist() for n in lengths]
 
 
-def check_decode_steps_fit(config, settings: CheckSettings) -> None:
+def check_decode_steps_fit(config, settings: CheckSettings, config_file="config.json") -> None:
     """The check's sequences (its prompts and --decode-steps more tokens) within the model's context and
     the memory the device has free, for glmkit's two paths and the reference's T x T scores, before
     anything loads."""
     from glmkit.bounds import check_sequence_fits, check_tokens_fit
 
-    lengths = [len(p) + settings.decode_steps for p in _prompts(config, settings.seed)]
+    prompts = [len(p) for p in _prompts(config, settings.seed)]
+    lengths = [n + settings.decode_steps for n in prompts]
     what = f"--decode-steps {settings.decode_steps}"
+    if max(prompts) + 2 > config.max_position_embeddings:  # the prompts alone: sized by the config, not the flag
+        raise ValueError(f"{config_file}: index_topk {config.index_topk} and index_kpool {config.index_kpool} make "
+                         f"glmkit check's longest prompt {max(prompts)} tokens (3 x (index_topk + index_kpool) + 5, "
+                         f"so that selections cover every pool), past the model's context of "
+                         f"{config.max_position_embeddings}; compare such a checkpoint with glmkit parity --seq-len")
     if max(lengths) > config.max_position_embeddings:
         raise ValueError(f"{what}: the longest check sequence would hold {max(lengths)} tokens, past the model's "
                          f"context of {config.max_position_embeddings}; use at most "
@@ -90,7 +96,7 @@ def run_check(settings: CheckSettings, work_dir: Path) -> dict:
             synth_checkpoint(settings.variant, settings.seed, path, progress=False)
     ckpt = open_checkpoint(path)  # bad input fails here, before any progress is shown
     config = ckpt.config
-    check_decode_steps_fit(config, settings)
+    check_decode_steps_fit(config, settings, Path(path) / "config.json")
     bar = tqdm(total=6, desc="glmkit check", unit="stage")
     bar.set_postfix_str("loading"), bar.update()
     try:

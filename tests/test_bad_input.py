@@ -12,6 +12,7 @@ import errno
 import json
 import os
 import shutil
+import re
 import socket
 import subprocess
 import sys
@@ -1295,3 +1296,31 @@ def test_check_decode_steps_are_bounded_by_memory_before_anything_loads(monkeypa
     err = capsys.readouterr().err
     assert "--decode-steps 65536: 65577 tokens through the reference need at least 225 GiB" in err, err
     assert "and cpu has 8 GiB free" in err, err
+    # hostile pass 13: a config whose index_topk makes check's own prompts too long blamed --decode-steps
+    # ("use at most -1951441"); the config is named now
+    big = copy_ckpt(Path(__file__).resolve().parents[1] / "glmkit" / "assets" / "tiny_start", tmp_path / "big")
+    config = json.loads((big / "config.json").read_text())
+    config["text_config"]["index_topk"] = 1000000
+    (big / "config.json").write_text(json.dumps(config))
+    assert cli_main(["check", "--checkpoint", str(big), "--decode-steps", "2", "--out", str(tmp_path / "c")]) == 2
+    err = capsys.readouterr().err
+    assert f"{big / 'config.json'}: index_topk 1000000 and index_kpool 4 make glmkit check's longest prompt" in err, err
+
+
+def test_a_checkpoint_with_a_nan_or_inf_weight_is_refused_when_it_loads(tmp_path):
+    """Hostile pass 13: one NaN weight passed loading; train then failed in sampling and check in its
+    plots, both exit 3 (and serve answered 500). The loaded weights are checked, by tensor."""
+    from glmkit.checkpoint import CheckpointError
+    from glmkit.model import load_model
+
+    source = Path(__file__).resolve().parents[1] / "glmkit" / "assets" / "tiny_start"
+    for value in (float("nan"), float("-inf")):
+        bad = copy_ckpt(source, tmp_path / f"bad-{value}")
+        tensors = load_file(str(bad / "model.safetensors"))
+        key = next(k for k in tensors if k.endswith("layers.1.mlp.down_proj.weight") or k.endswith("embed_tokens.weight"))
+        tensors[key].view(-1)[7] = value
+        save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
+        with pytest.raises(CheckpointError, match=rf"tensor {re.escape(key)} holds 1 NaN or infinite value\(s\) of "
+                                                  rf"\d+; a checkpoint's weights must be finite"):
+            load_model(bad)
+    assert load_model(source) is not None

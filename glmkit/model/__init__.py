@@ -28,7 +28,27 @@ def load_model(path, dtype: torch.dtype | None = None, device="cpu") -> Glm5Mode
     # allocated once in the final dtypes: no fp32 copy of a bf16 model on the way (2x the memory)
     model = model.to_empty(device=device)
     model.load_state_dict(ckpt.state_dict(), strict=True)
+    refuse_nonfinite_weights(model, path)
     return model
+
+
+def refuse_nonfinite_weights(model: Glm5Model, path) -> None:
+    """A checkpoint whose weights hold a NaN or an Inf is refused by tensor (checked where they now
+    are, in pieces, one sync a tensor): every forward of it would be NaN, and sampling, the loss and
+    the plots would fail far from the cause."""
+    from glmkit.checkpoint import TEXT_PREFIX, CheckpointError
+
+    for name, tensor in model.state_dict().items():
+        if not tensor.is_floating_point():
+            continue
+        finite = torch.ones((), dtype=torch.bool, device=tensor.device)
+        for piece in tensor.detach().reshape(-1).split(1 << 26):
+            finite &= torch.isfinite(piece).all()
+        if not finite.item():
+            bad = int((~torch.isfinite(tensor.detach())).sum())
+            key = name if name == "lm_head.weight" else TEXT_PREFIX + name
+            raise CheckpointError(f"{path}: tensor {key} holds {bad} NaN or infinite value(s) of {tensor.numel()}; "
+                                  f"a checkpoint's weights must be finite")
 
 
 def save_model(model: Glm5Model, path, overwrite: bool = False, max_shard_bytes: int = 5 * 2**30):
