@@ -455,6 +455,9 @@ class RunLock:
                 what = "a symbolic link" if self.path.is_symlink() else not_a_file(self.path) or "not a file"
                 raise ValueError(f"{self.flag} {self.target}: its lock file {self.path} is {what.removeprefix('is ')}"
                                  f", not glmkit's; remove it if no run holds it") from None
+            if err.errno in (errno.ENOENT, errno.ENOTDIR):  # a folder that takes no new files (/proc, /sys)
+                raise PermissionError(errno.EACCES, f"{self.flag} {self.given}: no file can be made in the folder "
+                                                    f"({err.strerror})", str(self.path.parent)) from None
             raise
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):

@@ -590,3 +590,11 @@ def test_conflicting_train_options_and_an_empty_json_path_are_bad_input(tmp_path
     assert out.returncode == 2 and "glmkit train: error: --data-parallel and --weight-update distributed" in out.stderr
     out = glmkit("parity", "--checkpoint", ROOT / "glmkit/assets/tiny_start", "--json", "")
     assert out.returncode == 2 and "--json" in out.stderr and "empty path" in out.stderr, out.stderr
+
+
+def test_an_output_in_a_folder_that_takes_no_files_names_its_flag():
+    """Hostile pass 13: `--json /proc/self/x.json` said only "[Errno 2] No such file or directory:
+    '/proc/N/.x.json.glmkit-lock'", a file the user never named. It is the environment's error (exit 4)
+    naming the flag and the output."""
+    with pytest.raises(PermissionError, match=r"--json /proc/self/x.json: no file can be made in the folder"):
+        RunLock("/proc/self/x.json", "--json").__enter__()

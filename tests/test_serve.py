@@ -564,6 +564,16 @@ def test_a_surrogates_utf8_bytes_in_a_body_are_400_not_500(server):
     assert post(server, "/generate", {"text": "caf\u00e9 \U0001f600", "sampling_params": {"max_new_tokens": 1}}).ok
 
 
+def test_a_non_finite_logit_bias_is_named_as_a_value(server):
+    """Hostile pass 13: a NaN or infinite bias (JSON's NaN / Infinity, which Python reads) was refused as
+    a bad key ("must has keys in [0, 1023], got 5")."""
+    for value in (b"NaN", b"Infinity", b"-Infinity"):
+        answer = requests.post(server.url + "/generate", timeout=60, headers={"Content-Type": "application/json"},
+                               data=b'{"input_ids": [1, 2], "sampling_params": {"logit_bias": {"5": ' + value + b"}}}")
+        assert answer.status_code == 400, answer.text[:300]
+        assert "logit_bias['5']:" in answer.text and "a bias must be a finite number" in answer.text, answer.text[:300]
+
+
 def test_grpo_with_the_server_as_rollout_backend(server, tmp_path):
     metrics = tmp_path / "metrics.jsonl"
     before = SGLangClient(server.url).model_info()["weight_version"]

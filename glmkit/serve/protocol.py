@@ -256,8 +256,10 @@ def _verified(kw: dict, vocab_size: int, where: str) -> Sampling:
             token = int(key)
         except ValueError:
             token = -1
-        if not 0 <= token < vocab_size or not math.isfinite(value):
+        if not 0 <= token < vocab_size:  # SGLang's own words
             raise RequestError(f"logit_bias must has keys in [0, {vocab_size - 1}], got {key}.")
+        if not math.isfinite(value):  # a NaN bias makes every logit of the row NaN
+            raise RequestError(f"{where}.logit_bias[{key!r}]: {value}; a bias must be a finite number")
         bias.append((token, value))
     kw["logit_bias"] = tuple(bias)
     bad_stop = [t for t in kw.get("stop_token_ids", ()) if not 0 <= t < vocab_size]
