@@ -55,6 +55,33 @@ def test_connect_and_inventory(head, client):
         connect("ftp://127.0.0.1:8265")
 
 
+def test_an_address_that_answers_but_is_not_rays_dashboard_is_named_so():
+    """Hostile pass 13: `launch --address` at another HTTP server (glmkit serve) said only `'result'`."""
+    import http.server
+    import threading
+
+    class Other(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = b'{"status": "ok"}'
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    other = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Other)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(ClusterUnreachable, match=r"it answered, but not as Ray's dashboard does .* give the Ray "
+                                                     r"head's dashboard address"):
+            inventory(f"http://127.0.0.1:{other.server_address[1]}")
+    finally:
+        other.shutdown()
+
+
 def test_builtin_backend_on_ray_equals_the_in_process_run(client, tiny_ckpt, tmp_path):
     """One rollout actor and a trainer actor, colocated on one bundle: the same rows as GRPOTrainer
     in this process on the same config (the Ray path changes where things run, not what). Equal to

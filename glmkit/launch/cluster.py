@@ -279,6 +279,10 @@ def inventory(dashboard: str) -> list[dict]:
     _check_address(dashboard)
     try:
         nodes = list_nodes(address=dashboard, detail=True, raise_on_missing_output=False)
+    except (KeyError, TypeError, AttributeError, ValueError) as err:  # something answered, not Ray's state API
+        raise ClusterUnreachable(f"cannot list the nodes of {dashboard}: it answered, but not as Ray's dashboard "
+                                 f"does (its nodes API gave no {str(err)[:40] or type(err).__name__}); give the "
+                                 f"Ray head's dashboard address (http://HEAD:8265)") from err
     except Exception as err:  # the state API raises its own types for an unreachable dashboard
         raise ClusterUnreachable(f"cannot list the nodes of {dashboard}: {str(err).splitlines()[0]}") from err
     rows = []
