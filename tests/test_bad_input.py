@@ -1324,3 +1324,21 @@ def test_a_checkpoint_with_a_nan_or_inf_weight_is_refused_when_it_loads(tmp_path
                                                   rf"\d+; a checkpoint's weights must be finite"):
             load_model(bad)
     assert load_model(source) is not None
+
+
+def test_a_state_step_that_does_not_follow_its_folder_is_refused(tmp_path):
+    """Hostile pass 13: `"step": 10**30` in iter_0000000/state.json resumed a run that then trained
+    nothing and said "no optimizer step was taken" with exit 0. iter_N is saved after rollout N, so its
+    step is N + 1; any other is refused by name."""
+    from glmkit.rl.loop import _read_state
+
+    folder = tmp_path / "iter_0000004"
+    folder.mkdir()
+    for step, ok in ((5, True), (10 ** 30, False), (4, False), (0, False)):
+        (folder / "state.json").write_text(json.dumps({"step": step, "param_groups": [], "config": {}}))
+        if ok:
+            assert _read_state(folder)["step"] == step
+        else:
+            with pytest.raises(ValueError, match=rf"state.json: step {step} does not follow its folder iter_0000004 "
+                                                 rf"\(saved after rollout 4, its step is 5\)"):
+                _read_state(folder)

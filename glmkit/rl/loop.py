@@ -389,6 +389,10 @@ def _read_state(folder: Path) -> dict:
             or not isinstance(state.get("param_groups"), list) or not isinstance(state.get("config"), dict):
         raise ValueError(f"{path}: expected {{\"step\": a non-negative integer, \"param_groups\": [...], \"config\": "
                          f"{{...}}}}; --resume cannot continue from it")
+    name = folder.name.removeprefix("iter_")
+    if name.isdigit() and name.isascii() and step != int(name) + 1:  # iter_N is saved after rollout N: step N + 1
+        raise ValueError(f"{path}: step {step} does not follow its folder {folder.name} (saved after rollout "
+                         f"{int(name)}, its step is {int(name) + 1}); --resume cannot continue from it")
     return state
 
 
