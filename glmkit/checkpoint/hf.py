@@ -135,6 +135,9 @@ def text_config_from_json(raw: dict, file: Path) -> Glm5NextTextConfig:
         fields = {k: v for k, v in raw.items() if k not in _COMPOSITE_ONLY_KEYS}
     fields.pop("model_type", None)
     _check_types(fields, file)
+    vocab = fields.get("vocab_size", 1)  # checked first: transformers warns of every token id past a bad one
+    if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1:
+        raise CheckpointError(f"{file}: vocab_size must be a positive integer, got {vocab!r}")
     try:
         config = Glm5NextTextConfig.from_dict(fields)
     except Exception as e:  # strict-dataclass and architecture validation errors
