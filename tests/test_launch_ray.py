@@ -60,17 +60,11 @@ def test_an_address_that_answers_but_is_not_rays_dashboard_is_named_so():
     import http.server
     import threading
 
-    class Other(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            body = b'{"status": "ok"}'
-            self.send_response(200)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+    from tests.test_engine_weights import _JSONHandler
 
-        def log_message(self, *args):
-            pass
+    class Other(_JSONHandler):
+        def do_GET(self):
+            self._send(b'{"status": "ok"}')
 
     other = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Other)
     threading.Thread(target=other.serve_forever, daemon=True).start()
