@@ -68,10 +68,11 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
 def answer_json(value) -> str:
     """An answer as JSON the way SGLang writes it (orjson): a non-finite float (a log-prob of weights
     that overflow) is null, never a 500 and never the NaN token strict JSON readers refuse."""
+    compact = {"ensure_ascii": False, "separators": (",", ":"), "allow_nan": False}  # as orjson (and starlette)
     try:
-        return json.dumps(value, allow_nan=False)
+        return json.dumps(value, **compact)
     except ValueError:
-        return json.dumps(_nonfinite_as_null(value), allow_nan=False)
+        return json.dumps(_nonfinite_as_null(value), **compact)
 
 
 def _nonfinite_as_null(value):
