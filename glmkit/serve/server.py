@@ -1517,7 +1517,9 @@ def serve(checkpoint, host: str = "127.0.0.1", port: int = 30000, device: str = 
     from glmkit.tokenizer import has_tokenizer_files, load_tokenizer
 
     _check_host(host)
-    model = load_model(checkpoint, getattr(torch, dtype) if dtype else None, device).eval()
+    # an engine loads what it is given, as SGLang does (NaN weights are answered as null, and are what
+    # `glmkit ckpt verify-engine` is there to find)
+    model = load_model(checkpoint, getattr(torch, dtype) if dtype else None, device, finite=False).eval()
     tok_dir = tokenizer or (str(checkpoint) if has_tokenizer_files(checkpoint) else None)
     tok = load_tokenizer(tok_dir) if tok_dir else None
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
