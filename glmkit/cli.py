@@ -140,7 +140,10 @@ def main(argv=None) -> int:
 # options whose value is a path: given as '' (an unset shell variable) it would silently mean the default
 PATH_OPTIONS = ("checkpoint", "checkpoint_b", "prompt_data", "eval_prompt_data", "metrics_out", "job_metrics_out",
                 "miles_dir", "out", "path", "replay_topk_from", "save", "save_captures", "src", "tokenizer",
-                "train_data", "weight_update_dir", "hf", "torch_dist", "allow_updates_from", "load", "ref_load", "json")
+                "train_data", "weight_update_dir", "hf", "torch_dist", "allow_updates_from", "load", "ref_load", "json",
+                # the launcher's paths on the cluster: never read here, but written into its plan and commands
+                "hf_checkpoint", "model_dir", "ckpt_dir", "data_dir", "save_dir", "megatron_path", "train_offload_dir",
+                "output_dir")
 
 
 def _breaks_a_line(c: str) -> bool:

@@ -1184,6 +1184,8 @@ def test_pass_8_small_inputs_each_get_one_line_and_exit_2(tmp_path, capsys):
         (["rollout-data", "x.pt", "--check", ""], "--checkpoint is an empty path"),
         # hostile pass 13: a line break in a path made the one-line error two lines, the second forgeable
         (["ckpt", "info", "/tmp/x\nglmkit ckpt: ok"], "the PATH argument '/tmp/x\\nglmkit ckpt: ok' holds a control"),
+        (["launch", "--dry-run", "--hf-checkpoint", "/root/x\nPREFLIGHT: all ok"],  # pass 14: a forged plan line
+         "--hf-checkpoint '/root/x\\nPREFLIGHT: all ok' holds a control character"),
         (["check", "--checkpoint", "a\x1b[31mb", "--out", str(tmp_path / "c")], "--checkpoint 'a\\x1b[31mb' holds a"),
         (["check", "--out", "/proc/glmkit-out"], "--out /proc/glmkit-out/check: no folder can be made at "
                                                  "/proc/glmkit-out (No such file or directory)"),
@@ -1254,6 +1256,10 @@ def test_a_tampered_optimizer_state_is_named_before_resume_loads_it(tmp_path):
     # safetensors' own error (exit 3); a folder an OSError; a FIFO hung --resume, deaf to SIGTERM
     with pytest.raises(ValueError, match=r"optimizer.safetensors: parameter 0 has no exp_avg \(AdamW keeps"):
         restore(tensors={k: v for k, v in moments.items() if k != "0.exp_avg"})
+    # hostile pass 14: a NaN moment (or a negative second moment) resumed, and the next checkpoint held NaN
+    for key, value in (("0.exp_avg", float("nan")), ("0.exp_avg_sq", -1.0)):
+        with pytest.raises(ValueError, match=rf"tensor '{key}' holds a NaN, an infinite.* value; AdamW's moments"):
+            restore(tensors=dict(moments, **{key: torch.full_like(moments[key], value)}))
     file = folder / "optimizer.safetensors"
     for damage, reason in ((lambda: file.write_bytes(b""), r"truncated safetensors file \(0 bytes, no header\)"),
                            (lambda: file.write_bytes(b"\x10" + bytes(7) + b"{garbage}" + bytes(7)),
@@ -1328,17 +1334,19 @@ def test_a_checkpoint_with_a_nan_or_inf_weight_is_refused_when_it_loads(tmp_path
 
 def test_a_state_step_that_does_not_follow_its_folder_is_refused(tmp_path):
     """Hostile pass 13: `"step": 10**30` in iter_0000000/state.json resumed a run that then trained
-    nothing and said "no optimizer step was taken" with exit 0. iter_N is saved after rollout N, so its
-    step is N + 1; any other is refused by name."""
-    from glmkit.rl.loop import _read_state
+    nothing and said "no optimizer step was taken" with exit 0. iter_N is saved after rollout N and
+    records step N (as _save_checkpoint writes it: checked on a real checkpoint); any other is refused."""
+    from glmkit.model import load_model
+    from glmkit.rl.loop import TrainConfig, TrainState, _read_state, _save_checkpoint, build_optimizer
 
-    folder = tmp_path / "iter_0000004"
-    folder.mkdir()
-    for step, ok in ((5, True), (10 ** 30, False), (4, False), (0, False)):
+    ckpt = synth_checkpoint("tiny", 0, tmp_path / "ck", progress=False)
+    cfg = TrainConfig(checkpoint=str(ckpt), prompt_data="p", save=str(tmp_path / "save"),
+                      metrics_out=str(tmp_path / "m.jsonl"), weight_decay=0.1, lr=1e-4, adam_beta1=0.9, adam_beta2=0.98)
+    policy = load_model(ckpt)
+    folder = _save_checkpoint(cfg, TrainState(step=5), policy, build_optimizer(cfg, policy), None)
+    assert folder.name == "iter_0000004" and _read_state(folder)["step"] == 4  # as written: read back
+    for step in (10 ** 30, 5, 0):
         (folder / "state.json").write_text(json.dumps({"step": step, "param_groups": [], "config": {}}))
-        if ok:
-            assert _read_state(folder)["step"] == step
-        else:
-            with pytest.raises(ValueError, match=rf"state.json: step {step} does not follow its folder iter_0000004 "
-                                                 rf"\(saved after rollout 4, its step is 5\)"):
-                _read_state(folder)
+        with pytest.raises(ValueError, match=rf"state.json: step {step} does not match its folder iter_0000004 "
+                                             rf"\(the checkpoint of rollout 4 records step 4\)"):
+            _read_state(folder)

@@ -390,9 +390,9 @@ def _read_state(folder: Path) -> dict:
         raise ValueError(f"{path}: expected {{\"step\": a non-negative integer, \"param_groups\": [...], \"config\": "
                          f"{{...}}}}; --resume cannot continue from it")
     name = folder.name.removeprefix("iter_")
-    if name.isdigit() and name.isascii() and step != int(name) + 1:  # iter_N is saved after rollout N: step N + 1
-        raise ValueError(f"{path}: step {step} does not follow its folder {folder.name} (saved after rollout "
-                         f"{int(name)}, its step is {int(name) + 1}); --resume cannot continue from it")
+    if name.isdigit() and name.isascii() and step != int(name):  # iter_N is saved after rollout N, "step": N
+        raise ValueError(f"{path}: step {step} does not match its folder {folder.name} (the checkpoint of rollout "
+                         f"{int(name)} records step {int(name)}); --resume cannot continue from it")
     return state
 
 
@@ -632,6 +632,10 @@ def _restore_optimizer(optimizer, folder: Path, param_groups):
         shape = params[int(index)].shape
         if name != "step" and value.shape != shape:
             refuse(f"{file}: tensor {key!r} has shape {list(value.shape)}; its parameter's is {list(shape)}")
+        if not bool(torch.isfinite(value).all()) or (name != "exp_avg" and bool((value < 0).any())):
+            # a NaN moment (or a negative second moment or step) turns the next step's weights to NaN
+            refuse(f"{file}: tensor {key!r} holds a NaN, an infinite" + ("" if name == "exp_avg" else " or a negative")
+                   + " value; AdamW's moments are finite" + ("" if name == "exp_avg" else " and >= 0"))
         state.setdefault(int(index), {})[name] = value
     for index, moments in sorted(state.items()):
         if missing := [name for name in MOMENTS if name not in moments]:
@@ -838,17 +842,24 @@ class GRPOTrainer:
 
     def _resume(self, folder: Path) -> TrainState:
         """Weights and optimizer from `folder` -> the TrainState its state.json records."""
-        from glmkit.checkpoint import open_checkpoint
+        from glmkit.checkpoint import CheckpointError, open_checkpoint
+        from glmkit.checkpoint.hf import read_header
+        from glmkit.model import refuse_nonfinite_weights
 
         state = _read_state(folder)
-        if self.lora_names:
-            loaded = load_file(str(folder / "adapter.safetensors"))
-        else:
-            loaded = open_checkpoint(folder / "model").state_dict()
+        try:
+            if self.lora_names:
+                read_header(folder / "adapter.safetensors")  # a FIFO, a folder, a damaged file: named
+                loaded = load_file(str(folder / "adapter.safetensors"))
+            else:
+                loaded = open_checkpoint(folder / "model").state_dict()
+        except CheckpointError as err:
+            raise ValueError(f"{err}; --resume cannot continue from it") from None
         tensors = self.policy.state_dict()  # checkpoint names; per-expert entries view the stacked experts
         with torch.no_grad():
             for name, value in loaded.items():
                 tensors[name].copy_(value)
+        refuse_nonfinite_weights(self.policy, folder)  # a NaN saved there would only show up in sampling
         _restore_optimizer(self.optimizer, folder, state["param_groups"])
         self.sync()
         try:
