@@ -143,6 +143,11 @@ def test_the_users_paths_and_settings_reach_the_trainer():
         with pytest.raises(ValueError, match=rf"--extra-env-vars: the value of {re.escape(shown)}; environment values "
                                              rf"must be JSON strings"):
             plan("GLM-5.3-Flash-4layer", 1, 8, options={"extra_env_vars": given})
+    # hostile pass 14: the K=V form took a name the JSON form refuses; a NUL in a value was taken
+    with pytest.raises(ValueError, match=r"'A\\x1b\[31m' is not an environment variable name"):
+        plan("GLM-5.3-Flash-4layer", 1, 8, options={"extra_env_vars": "A\x1b[31m=1"})
+    with pytest.raises(ValueError, match=r"the value of 'A' holds a NUL character"):
+        plan("GLM-5.3-Flash-4layer", 1, 8, options={"extra_env_vars": '{"A": "x\\u0000y"}'})
     lora = plan("GLM-5.3-Flash-4layer", 1, 8, lora=True, options={"use_r3": False, "task": "dapo-math"})
     assert "--no-use-r3" in lora.commands[-1].argv and not lora.routing_replay["on"]
     assert lora.paths["prompt_data"] == "/root/datasets/dapo-math-17k/dapo-math-17k.jsonl"

@@ -243,20 +243,24 @@ def parse_extra_env_vars(text: str) -> dict:
             raise ValueError(f"--extra-env-vars: the value of {wrong[0]!r} is {json.dumps(wrong[1])[:40]}; environment "
                              f"values must be JSON strings (\"1\", not 1)")
         env = {str(k): v for k, v in value.items()}
-        bad = next((k for k in env if not k or "=" in k or "\0" in k or not k.isprintable()), None)
-        if bad is not None:  # the process environment cannot hold such a name
-            raise ValueError(f"--extra-env-vars: {bad!r} is not an environment variable name (non-empty, no '=', "
-                             f"no control characters)")
-        return env
-    env = {}
-    for pair in text.split():
-        key, sep, val = pair.partition("=")
-        if not sep or not key:
-            raise ValueError(f"--extra-env-vars: {pair!r} is not KEY=VALUE (give a JSON object or KEY=VALUE pairs)")
-        if "=" in val:  # the launcher keeps only up to the next '=' of a K=V pair: say so, not lose it
-            raise ValueError(f"--extra-env-vars: the value of {key} contains '='; the launcher's K=V form would cut "
-                             f"it; give the variables as a JSON object")
-        env[key] = val
+    else:
+        env = {}
+        for pair in text.split():
+            key, sep, val = pair.partition("=")
+            if not sep or not key:
+                raise ValueError(f"--extra-env-vars: {pair!r} is not KEY=VALUE (give a JSON object or KEY=VALUE pairs)")
+            if "=" in val:  # the launcher keeps only up to the next '=' of a K=V pair: say so, not lose it
+                raise ValueError(f"--extra-env-vars: the value of {key} contains '='; the launcher's K=V form would "
+                                 f"cut it; give the variables as a JSON object")
+            env[key] = val
+    # the process environment cannot hold such a name, nor a NUL in a value (in either form)
+    bad = next((k for k in env if not k or "=" in k or "\0" in k or not k.isprintable()), None)
+    if bad is not None:
+        raise ValueError(f"--extra-env-vars: {bad!r} is not an environment variable name (non-empty, no '=', "
+                         f"no control characters)")
+    bad = next((k for k, v in env.items() if "\0" in v), None)
+    if bad is not None:
+        raise ValueError(f"--extra-env-vars: the value of {bad!r} holds a NUL character, which no environment holds")
     return env
 
 
