@@ -79,6 +79,8 @@ def check_server_url(url: str) -> None:
 
     if not isinstance(url, str) or not url.startswith(("http://", "https://")):
         raise ValueError(f"server URL must start with http:// or https://, got {url!r}")
+    if any(ord(c) < 33 or 127 <= ord(c) < 160 for c in url):  # a line break would split the one-line error
+        raise ValueError(f"server URL {url!r} holds a space or a control character; expected http://HOST:PORT")
     try:
         parts = urlsplit(url)
         port = parts.port
