@@ -546,6 +546,11 @@ def test_log_probs_that_overflow_are_null_as_sglang_writes_them(server):
         assert answer.status_code == 200, answer.text[:300]
         logprobs = [lp for lp, _, _ in answer.json()["meta_info"]["input_token_logprobs"]]
         assert logprobs[0] is None and None in logprobs[1:], logprobs  # NaN or -inf: null, strict JSON
+        # pass 14: sampled tokens' log-probs were log(1/V), made up from the clamped row: null too
+        sampled = post(server, "/generate", {**body, "sampling_params": {"max_new_tokens": 2}, "top_logprobs_num": 2})
+        meta = sampled.json()["meta_info"]
+        assert [lp for lp, _, _ in meta["output_token_logprobs"]] == [None, None], meta["output_token_logprobs"]
+        assert all(lp is None for step in meta["output_top_logprobs"] for lp, _, _ in step), meta["output_top_logprobs"]
         streamed = requests.post(server.url + "/generate", json={**body, "stream": True,
                                                                  "sampling_params": {"max_new_tokens": 1}}, timeout=60)
         chunks = [line[6:] for line in streamed.text.splitlines() if line.startswith("data: {")]

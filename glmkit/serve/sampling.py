@@ -52,6 +52,9 @@ class RequestSampler:
         """logits [R, V] of the rows, their RequestStates and output token lists -> (tokens, log-probs)."""
         logits = logits.float().clone()
         rows, vocab = logits.shape
+        # the model's own row is not finite (weights that overflow): a token is still drawn (from the
+        # clamped row below), but its log-probs are NaN, answered as null, never log(1/V) made up
+        broken = ~torch.isfinite(logits).all(-1)
         for i, (st, out) in enumerate(zip(states, outputs)):
             s = st.sampling
             for token, bias in s.logit_bias:
@@ -75,13 +78,14 @@ class RequestSampler:
         drawn = [i for i, st in enumerate(states) if not st.sampling.greedy]
         if drawn:
             tokens[drawn] = self._draw(logp[drawn], [states[i] for i in drawn])
-        picked = logp.gather(-1, tokens[:, None])[:, 0]
-        host = torch.stack([tokens.double(), picked.double()]).cpu()
+        picked = logp.gather(-1, tokens[:, None])[:, 0].masked_fill(broken, float("nan"))
+        host = torch.stack([tokens.double(), picked.double(), broken.double()]).cpu()
         tokens_out, logprobs_out = [int(t) for t in host[0].tolist()], host[1].tolist()
         for i, st in enumerate(states):
             if st.top_logprobs:
                 values, ids = logp[i].topk(min(st.top_logprobs, vocab))
-                st.top.append([[float(v), int(t)] for v, t in zip(values.tolist(), ids.tolist())])
+                st.top.append([[float("nan") if host[2, i] else float(v), int(t)]
+                               for v, t in zip(values.tolist(), ids.tolist())])
             if st.sampling.penalised:
                 if st.counts is None:
                     st.counts = torch.zeros(vocab, device=logits.device)
