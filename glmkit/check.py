@@ -14,6 +14,7 @@ Writes an HTML + JSON report; the verdict is "pass" when every comparison is wit
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -182,6 +183,7 @@ def run_check(settings: CheckSettings, work_dir: Path) -> dict:
                    "pass": logprob["max_abs_diff"] <= limits["logprob_abs"]})
     bar.set_postfix_str("done"), bar.update()
     bar.close()
+    nonfinite = _nonfinite(model, {"reference": ref_logits, "train": train_logits, "rollout": rollout_logits})
     # a selection that differs for real (not by a tie) fails on its own: replay must not hide it
     chosen = [{"path": path_name, "layer": r.layer, "identical": r.identical, "tied": r.tied, "different": r.different,
                "pass": not r.diverged} for path_name, results in selections.items() for r in results]
@@ -193,11 +195,29 @@ def run_check(settings: CheckSettings, work_dir: Path) -> dict:
         "backends": str(Backends.parse(settings.backends)), "seed": settings.seed,
         "prompt_lengths": [len(p) for p in prompts], "decode_steps": settings.decode_steps,
         "thresholds": dict(limits), "tie_tolerance": dict(tie), "topk_replay": replay_note,
-        "selections": chosen,
+        "selections": chosen, "nonfinite": nonfinite,
         "checks": checks, "train_rollout_logprob": logprob, "seconds": round(time.time() - started, 2),
         "_curves": {k: [c.tolist() for c in v] for k, v in curves.items()},
         "_per_token": per_token.tolist(),
     }
+
+
+def _nonfinite(model, logits: dict) -> str | None:
+    """Which paths' logits hold NaN or Inf, and the model's largest weight (where an overflow most
+    likely starts), or None when every logit is finite. Such a check fails on its own (NaN is within no
+    tolerance); this says why in one line."""
+    counts = {side: int((~values.isfinite()).sum()) for side, values in logits.items()}
+    if not any(counts.values()):
+        return None
+    from glmkit.model import largest_weight
+
+    sides = ", ".join(f"{side} {n} of {logits[side].numel()}" for side, n in counts.items() if n)
+    return f"NaN or infinite logits ({sides}); the model's largest |weight| is {largest_weight(model)}"
+
+
+def _finite(values) -> list:
+    """The finite values, floored at 1e-12 for a log axis (NaN and Inf cannot be placed on one)."""
+    return [max(v, 1e-12) for v in values if math.isfinite(v)]
 
 
 def render(result: dict) -> str:
@@ -211,18 +231,24 @@ def render(result: dict) -> str:
     fig, ax = plt.subplots(figsize=(9, 4))
     for name, runs in result["_curves"].items():
         for i, values in enumerate(runs):
-            ax.semilogy(range(len(values)), [max(v, 1e-12) for v in values], label=name if i == 0 else None)
+            ax.semilogy(range(len(values)), [max(v, 1e-12) if math.isfinite(v) else math.nan for v in values],
+                        label=name if i == 0 else None)
     ax.set_xlabel("token position (decode: step x request)")
     ax.set_ylabel("max |logit diff| per position")
     ax.legend(fontsize=7)
     curves = report.figure_png(fig)
     fig, ax = plt.subplots(figsize=(6, 3))
-    ax.hist([max(v, 1e-12) for v in result["_per_token"]], bins=30)
-    ax.set_xlabel("|logp train - logp rollout| per generated token")
+    finite = _finite(result["_per_token"])
+    ax.hist(finite, bins=30)
+    left_out = len(result["_per_token"]) - len(finite)
+    ax.set_xlabel("|logp train - logp rollout| per generated token"
+                  + (f" ({left_out} NaN / Inf not shown)" if left_out else ""))
     hist = report.figure_png(fig)
     header = {k: result[k] for k in ("checkpoint", "model", "load_summary", "dtype", "device", "backends",
                                      "seed", "prompt_lengths", "decode_steps", "seconds")}
     header["top-k replay"] = result["topk_replay"] or "not needed (no ties at the DSA selections)"
+    if result["nonfinite"]:
+        header["non-finite"] = result["nonfinite"]
     header.update({f"version: {k}": v for k, v in report.versions().items()})
     sections = [
         ("Comparisons", report.table(result["checks"], ["name", "rel_rms", "max_abs", "tolerance", "topk_replayed",

@@ -176,7 +176,9 @@ def image(png_b64: str, alt: str) -> str:
 
 
 def write_report(out_dir: Path, name: str, html_text: str, data: dict) -> tuple[Path, Path]:
+    """`name`.json (strict JSON: a NaN or Inf figure is null) and `name`.html, written together."""
     out_dir = Path(out_dir)
-    json_path, html_path = write_together([(out_dir / f"{name}.json", json.dumps(data, indent=2)),
+    text = json.dumps(json_safe(data), indent=2, allow_nan=False)
+    json_path, html_path = write_together([(out_dir / f"{name}.json", text),
                                            (out_dir / f"{name}.html", html_text)])
     return html_path, json_path

@@ -565,6 +565,40 @@ def test_tensors_of_the_wrong_dtype(runs):
                              f"checkpoint's float32, cast when loaded:\n  {UP_PROJ} (float16)\n")
 
 
+NORM = TEXT_PREFIX + "layers.0.input_layernorm.weight"
+
+
+@case
+def huge_weight(folder, tiny, sharded):
+    def overflow(t):  # finite, loads, and overflows every forward (bf16 and fp32 end at ~3.4e38)
+        t[NORM][0] = 3e38
+
+    huge = rewrite_weights(copy_ckpt(tiny, folder / "huge"), overflow)
+    return [["train", "--checkpoint", huge, "--num-rollout", "1", "--metrics-out", folder / "m.jsonl"],
+            ["check", "--checkpoint", huge, "--decode-steps", "2", "--out", folder / "check"]]
+
+
+def test_weights_that_overflow_the_forward_are_named_not_crashed_on(runs):
+    """Hostile pass 14: a finite 3e38 in a norm made every logit NaN; train died in the sampler
+    (exit 3) and check in its plots (exit 3, after matplotlib's All-NaN warnings). train refuses the
+    rollout it cannot score (exit 2, naming the largest weight: nothing was trained yet); check fails
+    (exit 1) with its report written, saying which logits are NaN and where the largest weight is, and
+    its JSON strict (no NaN token)."""
+    folder, (train, check) = runs("huge_weight")
+    assert re.fullmatch(rf"glmkit train: error: rollout 0: \d+ sampled log-probs are NaN or infinite, in \d+ of \d+ "
+                        rf"samples \(first: sample 0, token 0\): the rollout's forward overflows; the policy's largest "
+                        rf"\|weight\| is 3.0e\+38 in {re.escape(NORM)}", error(train)), train.stderr
+    assert check.returncode == 1, check.stderr[-2000:]
+    assert "Traceback" not in check.stderr and "Warning" not in check.stderr, check.stderr
+    assert f"FAIL NaN or infinite logits (reference " in check.stdout
+    assert f"the model's largest |weight| is 3.0e+38 in {NORM}" in check.stdout, check.stdout
+    text = (folder / "check" / "check.json").read_text()
+    report = json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} in check.json"))
+    assert report["verdict"] == "fail" and "3.0e+38" in report["nonfinite"]
+    assert report["checks"][0]["rel_rms"] is None
+    assert "3.0e+38" in (folder / "check" / "check.html").read_text()
+
+
 @case
 def staging(folder, tiny, sharded):
     finished = subprocess.Popen([sys.executable, "-c", "pass"])

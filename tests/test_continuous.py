@@ -212,3 +212,21 @@ def test_a_request_cancelled_while_its_prompt_is_prefilled_ends_as_abort(engine)
         alone = engine.generate([prompt], SamplingParams(temperature=0, max_new_tokens=4))[0]
         assert got[tag].tokens == alone.tokens
     assert slots.free == 3
+
+
+def test_a_row_the_model_made_nonfinite_is_sampled_without_raising_and_its_log_prob_says_so():
+    """Hostile pass 14: NaN logits in one row made torch.multinomial raise for the whole batch (exit 3
+    in train). That row draws from uniform weights and its log-prob is not finite, for the trainer to
+    name; the other rows are untouched (greedy: the same log-prob as alone)."""
+    from glmkit.model.rollout import sample
+
+    logits = torch.randn(3, 50)
+    logits[1] = float("nan")
+    logits[2, 3] = float("inf")
+    for params in (SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_p=0.9),
+                   SamplingParams(temperature=0.0)):
+        tokens, logprobs = sample(logits, params, torch.Generator().manual_seed(0))
+        assert logprobs[0].isfinite() and not logprobs[1].isfinite() and not logprobs[2].isfinite()
+        assert tokens.shape == (3,) and 0 <= int(tokens.min()) and int(tokens.max()) < 50
+        if params.temperature == 0:  # (a draw's random stream is the batch's, so only greedy compares alone)
+            assert torch.equal(sample(logits[:1], params, None)[1], logprobs[:1])

@@ -336,3 +336,26 @@ def test_valid_json_of_the_wrong_shape_is_named_by_server_and_endpoint(answers, 
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_a_null_log_prob_reads_as_nan_for_the_trainer_to_name():
+    """SGLang writes a NaN or Inf log-prob (weights that overflow) as null, JSON having neither: it was
+    an unreadable answer (TypeError); it is a NaN in the Completion, which the trainer names with the
+    policy's largest weight (tests/test_train.py)."""
+    import math
+
+    from glmkit.model import load_model
+    from glmkit.model.rollout import SamplingParams
+    from glmkit.serve.client import SGLangRollout
+
+    answer = {"meta_info": {"output_token_logprobs": [[None, 5, None], [-0.25, 6, None]], "finish_reason": {"type": "length"}}}
+    server = _hostile_server("nulls", _WrongShapeHandler, answers={"/generate": [answer] * 2})
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        rollout = SGLangRollout(url, policy=load_model(CKPT), retries=0, timeout_s=10)
+        done = rollout.generate([[1, 2], [3, 4]], SamplingParams(max_new_tokens=2), seed=0)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert [c.tokens for c in done] == [[5, 6]] * 2
+    assert all(math.isnan(c.logprobs[0]) and c.logprobs[1] == -0.25 for c in done)

@@ -340,6 +340,40 @@ def test_nonfinite_steps_are_skipped_logged_and_stop_the_run(tmp_path, monkeypat
     assert verdict["verdict"] == "fail" and verdict["skipped_steps"] == 8
 
 
+def test_a_rollout_the_policy_made_nonfinite_is_named_and_stops_a_trained_run(tmp_path, monkeypatch):
+    """Hostile pass 14: weights that overflow the forward (a finite 3e38 in a norm) made every logit
+    NaN and the sampler raised (exit 3). The rollout's NaN log-probs are seen after sampling: before
+    anything was trained the run refuses its weights (NonFiniteRollout, a ValueError: exit 2) naming the
+    largest one; once it has trained, the run stops as NonFiniteRun does, its rows written."""
+    from glmkit.rl.loop import NonFiniteRollout
+
+    norm = "model.language_model.layers.0.input_layernorm.weight"
+
+    @torch.no_grad()
+    def overflow(trainer, value):  # the policy and the rollout side's own copy, as a checkpoint gives both
+        for model in (trainer.policy, trainer.rollout_side.model):
+            model.layers[0].input_layernorm.weight[0] = value
+
+    trainer = GRPOTrainer(tiny(tmp_path / "start", num_rollout=1))
+    overflow(trainer, 3e38)
+    with pytest.raises(NonFiniteRollout, match=rf"^rollout 0: \d+ sampled log-probs are NaN or infinite, in \d+ "
+                                               rf"of \d+ samples .* the policy.s largest \|weight\| is 3.0e\+38 in {norm}$"):
+        trainer.run()
+
+    trainer = GRPOTrainer(tiny(tmp_path / "later", num_rollout=3))
+    advance = trainer.advance
+
+    def overflow_after_the_first(state):
+        rows = advance(state)
+        overflow(trainer, float("inf"))
+        return rows
+
+    monkeypatch.setattr(trainer, "advance", overflow_after_the_first)
+    with pytest.raises(NonFiniteRun, match=rf"^stopped at rollout 1: .* the policy.s largest \|weight\| is inf in {norm}$"):
+        trainer.run()
+    assert [h["rollout/step"] for h in rollout_rows(read_metrics(tmp_path / "later" / "metrics.jsonl"))] == [0]
+
+
 def run_cli(*args):
     return subprocess.run([sys.executable, "-m", "glmkit", "train", *map(str, args)], capture_output=True,
                           text=True, timeout=600)

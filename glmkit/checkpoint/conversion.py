@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from glmkit.checkpoint.hf import Checkpoint, CheckpointError, open_checkpoint
 from glmkit.checkpoint.megatron_names import ALPHAS, CAT, COPY, PICK, STACK, Rule, megatron_rules
-from glmkit.checkpoint.names import LM_HEAD, TEXT_PREFIX
+from glmkit.checkpoint.names import LM_HEAD, TEXT_PREFIX, checkpoint_key
 from glmkit.checkpoint.torch_dist import TorchDistCheckpoint, save_torch_dist
 
 PADDED_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")  # the vocab may be padded
@@ -43,10 +43,6 @@ def _short(name: str) -> str:
     return name if name == LM_HEAD else name.removeprefix(TEXT_PREFIX)
 
 
-def _full(name: str) -> str:
-    return name if name == LM_HEAD else TEXT_PREFIX + name
-
-
 class _HF:
     """HF tensors by the map's names, read from the checkpoint one at a time."""
 
@@ -54,7 +50,7 @@ class _HF:
         self.ckpt = ckpt
 
     def __call__(self, name: str) -> torch.Tensor:
-        return self.ckpt.get(_full(name))
+        return self.ckpt.get(checkpoint_key(name))
 
 
 def expert_tensor(rule: Rule, e: int, read) -> torch.Tensor:

@@ -46,6 +46,8 @@ def _check(args) -> int:
                   f"{r['identical']:.1%} identical, {r['tied']:.1%} tied, {r['different']:.1%} different")
     if result["topk_replay"]:
         print(f"top-k replay: {result['topk_replay']}")
+    if result["nonfinite"]:
+        print(f"FAIL {result['nonfinite']}")
     lp = result["train_rollout_logprob"]
     print(f"train vs rollout log-prob |diff|: mean {lp['mean_abs_diff']:.2e}, max {lp['max_abs_diff']:.2e} "
           f"over {lp['tokens']} tokens")

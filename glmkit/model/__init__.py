@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from glmkit.checkpoint.names import keeps_fp32
+from glmkit.checkpoint.names import checkpoint_key, keeps_fp32
 from glmkit.model.model import Glm5Model
 from glmkit.model.packed import Packed, pack
 from glmkit.model.rollout import Completion, RolloutEngine, SamplingParams
@@ -38,7 +38,7 @@ def refuse_nonfinite_weights(model: Glm5Model, path) -> None:
     """A checkpoint whose weights hold a NaN or an Inf is refused by tensor (checked where they now
     are, in pieces, one sync a tensor): every forward of it would be NaN, and sampling, the loss and
     the plots would fail far from the cause."""
-    from glmkit.checkpoint import TEXT_PREFIX, CheckpointError
+    from glmkit.checkpoint import CheckpointError
 
     for name, tensor in model.state_dict().items():
         if not tensor.is_floating_point():
@@ -48,21 +48,32 @@ def refuse_nonfinite_weights(model: Glm5Model, path) -> None:
             finite &= torch.isfinite(piece).all()
         if not finite.item():
             bad = int((~torch.isfinite(tensor.detach())).sum())
-            key = name if name == "lm_head.weight" else TEXT_PREFIX + name
-            raise CheckpointError(f"{path}: tensor {key} holds {bad} NaN or infinite value(s) of {tensor.numel()}; "
-                                  f"a checkpoint's weights must be finite")
+            raise CheckpointError(f"{path}: tensor {checkpoint_key(name)} holds {bad} NaN or infinite value(s) of "
+                                  f"{tensor.numel()}; a checkpoint's weights must be finite")
+
+
+def largest_weight(model: torch.nn.Module) -> str:
+    """Where the model's largest |weight| is, as a phrase ("3.0e+38 in KEY"): a finite weight that large
+    overflows the forward (bf16 and fp32 end at ~3.4e38), so it is where NaN outputs most likely start."""
+    best, where = -1.0, ""
+    for name, tensor in model.state_dict().items():
+        if tensor.is_floating_point() and tensor.numel():
+            peak = max(piece.abs().max() for piece in tensor.detach().reshape(-1).split(1 << 26)).item()
+            if not peak <= best:  # NaN counts as the largest: it is the first thing to name
+                best, where = peak, checkpoint_key(name)
+    return f"{best:.1e} in {where}" if where else "no floating-point weights"
 
 
 def save_model(model: Glm5Model, path, overwrite: bool = False, max_shard_bytes: int = 5 * 2**30):
     """Write the model in the on-disk format transformers' save_pretrained uses (text weights)."""
-    from glmkit.checkpoint import TEXT_PREFIX, save_checkpoint
+    from glmkit.checkpoint import save_checkpoint
 
     def tensors():
         for name, tensor in model.state_dict().items():
-            yield (name if name == "lm_head.weight" else TEXT_PREFIX + name), tensor.detach()
+            yield checkpoint_key(name), tensor.detach()
 
     return save_checkpoint(path, model.config, tensors(), max_shard_bytes=max_shard_bytes, overwrite=overwrite)
 
 
 __all__ = ["Glm5Model", "TrainPath", "RolloutEngine", "SamplingParams", "Completion", "Packed", "pack",
-           "load_model", "save_model", "cast_model"]
+           "load_model", "save_model", "cast_model", "largest_weight"]

@@ -8,7 +8,7 @@ import torch
 from tqdm import tqdm
 from transformers import Glm5NextTextConfig
 
-from glmkit.checkpoint.names import LM_HEAD, TEXT_PREFIX
+from glmkit.checkpoint.names import checkpoint_key
 from glmkit.checkpoint.synth import as_text_config, synth_tensor
 from glmkit.model import Glm5Model, cast_model
 
@@ -24,6 +24,6 @@ def synth_model(variant_or_config: str | Glm5NextTextConfig, seed: int, dtype: t
     model = model.to_empty(device=device)
     state = model.state_dict()  # per-expert entries are views into the stacked expert weights
     for name, target in tqdm(state.items(), total=len(state), desc="synth", unit="tensor", disable=not progress):
-        full = name if name == LM_HEAD else TEXT_PREFIX + name
+        full = checkpoint_key(name)
         target.copy_(synth_tensor(full, tuple(target.shape), seed, dtype, device, keep_on_device=True))
     return model

@@ -494,7 +494,10 @@ def _claim_outputs(cfg) -> list[str]:
             refuse_replacing(metrics, "--metrics-out", "metrics file", _inputs(cfg), action="--resume appends to")
         return []
     if not cfg.overwrite:
-        if metrics.exists():
+        # a marked, empty file is a run that stopped before its first row (a run lock keeps a live one)
+        started_only = (metrics.is_file() and not metrics.is_symlink() and is_glmkit_file(metrics)
+                        and metrics.stat().st_size == 0)
+        if metrics.exists() and not started_only:
             raise ValueError(f"{metrics} already holds a run's metrics: pass --resume to continue that run, or "
                              f"--overwrite to replace it")
         if checkpoints:
@@ -885,17 +888,22 @@ class GRPOTrainer:
 
     def rollout(self, step: int):
         """-> (samples, completions, rewards) of rollout `step`; under data parallelism rank 0 rolls out
-        and scores, and every rank receives the same completions and rewards."""
+        and scores, and every rank receives the same completions and rewards (and stops together on a
+        non-finite one)."""
         if self.dp is None:
-            return self._rollout(step)
-        from glmkit.rl.parallel import decode_rollout, encode_rollout
+            samples, completions, rewards = self._rollout(step)
+        elif self.lead:
+            from glmkit.rl.parallel import encode_rollout
 
-        if self.lead:
             samples, completions, rewards = self._rollout(step)
             self.dp.broadcast_bytes(encode_rollout(completions, rewards))
-            return samples, completions, rewards
-        samples = [s for s in self.batch_for(step) for _ in range(self.cfg.n_samples_per_prompt)]
-        return samples, *decode_rollout(self.dp.broadcast_bytes(None))
+        else:
+            from glmkit.rl.parallel import decode_rollout
+
+            samples = [s for s in self.batch_for(step) for _ in range(self.cfg.n_samples_per_prompt)]
+            completions, rewards = decode_rollout(self.dp.broadcast_bytes(None))
+        self._refuse_nonfinite(step, completions)
+        return samples, completions, rewards
 
     def _rollout(self, step: int):
         from glmkit.model import SamplingParams
@@ -921,6 +929,19 @@ class GRPOTrainer:
                           f"samples (the framework's run would stop there), each scored as a miss "
                           f"({MISS_SCORE[cfg.rm_type]}); the first: {failed[0]}", stacklevel=2)
         return expanded, completions, torch.tensor(rewards, dtype=torch.float32)
+
+    def _refuse_nonfinite(self, step: int, completions):
+        """A sampled token's log-prob that is NaN or infinite means the policy's forward overflowed
+        (SGLang answers those as null): nothing of this rollout can be scored or trained on."""
+        bad = [(i, j) for i, c in enumerate(completions) for j, lp in enumerate(c.logprobs) if not math.isfinite(lp)]
+        if bad:
+            from glmkit.model import largest_weight
+
+            first = sorted(bad)[0]
+            raise NonFiniteRollout(f"rollout {step}: {len(bad)} sampled log-probs are NaN or infinite, in "
+                                   f"{len({i for i, _ in bad})} of {len(completions)} samples (first: sample "
+                                   f"{first[0]}, token {first[1]}): the rollout's forward overflows; the policy's "
+                                   f"largest |weight| is {largest_weight(self.policy)}")
 
     def _pack(self, completions):
         return pack_completions(completions, self.policy.device)
@@ -1250,8 +1271,15 @@ class GRPOTrainer:
         with (out.open("ab", buffering=0) if self.lead else contextlib.nullcontext()) as stream:
             if self.state.step == 0 and self._evaluates_after(0):
                 self._write([self.evaluate(0)], history, stream, on_metrics)
+            trained = False
             for step in bar:
-                rows, self.state = self.advance(self.state)
+                try:
+                    rows, self.state = self.advance(self.state)
+                except NonFiniteRollout as err:
+                    if not trained:  # nothing trained yet in this run: the weights it was given
+                        raise
+                    raise NonFiniteRun(f"stopped at {err}") from None
+                trained = True
                 if self._evaluates_after(step + 1):
                     rows.append(self.evaluate(step + 1))
                 self._write(rows, history, stream, on_metrics)
@@ -1328,6 +1356,12 @@ def append_row(stream, row: str) -> None:
 
 class NonFiniteRun(RuntimeError):
     """Too many consecutive optimizer steps with a NaN / Inf loss or gradient."""
+
+
+class NonFiniteRollout(ValueError):
+    """A rollout whose sampled log-probs are NaN or infinite. From the weights a run starts with it is
+    bad input (exit 2, naming the largest weight); once this run has trained, it stops the run as
+    NonFiniteRun does."""
 
 
 def json_row(row: dict) -> dict:

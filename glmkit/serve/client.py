@@ -371,6 +371,12 @@ def decode_indexer_topk(meta: dict, rows: int, dsa_layers) -> dict:
     return {int(layer): torch.from_numpy(array[:, i].astype("int64")) for i, layer in enumerate(dsa_layers)}
 
 
+def _logprob(value) -> float:
+    """One answered log-prob: null (what SGLang writes for a NaN or Inf, JSON having neither) reads as NaN,
+    so the trainer sees a non-finite rollout rather than a TypeError."""
+    return float("nan") if value is None else float(value)
+
+
 def model_layers(config) -> tuple[int, list, list]:
     """(num_hidden_layers, MoE layers, DSA layers) of a glm5_next text config."""
     from glmkit.config import layer_kinds
@@ -447,7 +453,7 @@ class SGLangRollout:
         routing = decode_routed_experts(meta, rows, num_layers, moe) if "routed_experts" in meta else {}
         topk = ({k: v.to(torch.int32) for k, v in decode_indexer_topk(meta, rows, dsa).items()}
                 if "indexer_topk" in meta else {})
-        return Completion(prompt=list(map(int, prompt)), tokens=tokens, logprobs=[float(lp) for lp, *_ in pairs],
+        return Completion(prompt=list(map(int, prompt)), tokens=tokens, logprobs=[_logprob(lp) for lp, *_ in pairs],
                           finish_reason=meta["finish_reason"]["type"], routing=routing, topk=topk)
 
     def bind(self, policy):

@@ -41,6 +41,7 @@ import torch
 from starlette.requests import Request as HttpRequest  # module level: FastAPI reads the annotations by name
 
 from glmkit.inputs import not_a_file
+from glmkit.report import json_safe
 from glmkit.serve import protocol
 from glmkit.serve.protocol import Input, RequestError
 from glmkit.serve.sampling import RequestSampler, RequestState
@@ -72,17 +73,7 @@ def answer_json(value) -> str:
     try:
         return json.dumps(value, **compact)
     except ValueError:
-        return json.dumps(_nonfinite_as_null(value), **compact)
-
-
-def _nonfinite_as_null(value):
-    if isinstance(value, float):
-        return value if value == value and abs(value) != float("inf") else None
-    if isinstance(value, dict):
-        return {k: _nonfinite_as_null(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_nonfinite_as_null(v) for v in value]
-    return value
+        return json.dumps(json_safe(value), **compact)
 
 
 def _lone_surrogate(value, where: str = "the body"):
@@ -577,7 +568,6 @@ class EngineService:
     def weights_by_name(self, name: str, truncate_size: int) -> list:
         """SGLang's answer layout: the tensor as float32 nested lists, cut to its first `truncate_size`
         entries along dim 0."""
-        from glmkit.report import json_safe
 
         state = {**self.model.state_dict(keep_vars=True), **dict(self.model.named_parameters())}
         own = self.own_name(name)
