@@ -327,6 +327,11 @@ def _copy(good_state, tmp_path, name):
     ("half-chunk", "embedding.word_embeddings.weight [1024, 64]: its chunks hold 32768 of its 65536 elements"),
     ("chunk-outside", "lies outside [1024, 64]"),
     ("zeroed-data", "the data file is damaged or holds more than tensors"),  # and no weights_only=False advice
+    # hostile pass 14: each was called missing (and a FIFO index would have blocked the read)
+    ("fifo-index", "release/.metadata: is a named pipe (FIFO); a torch_dist index is a regular file"),
+    ("folder-index", "release/.metadata: is a directory; a torch_dist index is a regular file"),
+    ("fifo-data", "1 of the 1 data files the index names are not regular files: __0_0.distcp is a named pipe (FIFO)"),
+    ("folder-data", "1 of the 1 data files the index names are not regular files: __0_0.distcp is a directory"),
 ])
 def test_unreadable_checkpoints_are_exit_2_with_the_reason(damage, message, hf, good_state, tmp_path, capsys):
     folder, release = _copy(good_state, tmp_path, "td")
@@ -354,6 +359,10 @@ def test_unreadable_checkpoints_are_exit_2_with_the_reason(damage, message, hf, 
         else:
             chunk.offsets = torch.Size([chunk.sizes[0], 0])
         (release / ".metadata").write_bytes(pickle.dumps(index))
+    elif damage in ("fifo-index", "folder-index", "fifo-data", "folder-data"):
+        target = release / (".metadata" if damage.endswith("index") else "__0_0.distcp")
+        target.unlink()
+        os.mkfifo(target) if damage.startswith("fifo") else target.mkdir()
     elif damage == "zeroed-data":
         data = release / "__0_0.distcp"
         data.write_bytes(bytes(data.stat().st_size))
@@ -468,6 +477,31 @@ def test_integers_nan_gaps_and_duplicates_are_reported_not_passed(hf, good_state
     row = _only(verify_conversion(hf, _broken(good_state, tmp_path / "d", twice), progress=False), "extra")
     assert row["duplicate_of"] in (norm, "module." + norm)
     capsys.readouterr()
+
+
+def test_nan_kept_by_a_faithful_conversion_is_a_finding(hf, tmp_path, capsys):
+    """Hostile pass 14: a NaN in the HF checkpoint, converted faithfully, passed (exit 0): NaN matched
+    NaN and nothing said the weights are unusable. Now the stored tensor is listed as not finite, its
+    HF source named as holding the same, and the verdict is fail (exit 1); `ckpt slice` copies such a
+    tensor with a warning naming it."""
+    from glmkit.checkpoint import slice_checkpoint
+    from safetensors.torch import load_file, save_file
+
+    source = tmp_path / "hf"
+    shutil.copytree(hf, source)
+    tensors = load_file(str(source / "model.safetensors"))
+    tensors["model.language_model.norm.weight"][5] = float("inf")
+    save_file(tensors, str(source / "model.safetensors"), metadata={"format": "pt"})
+    folder = _write(megatron_state(source), tmp_path / "td")
+    report = verify_conversion(source, folder, progress=False)
+    assert report.nonfinite == [{"key": "decoder.final_layernorm.weight", "count": 1, "numel": 64, "as_in_hf": True}]
+    assert report.matched == report.checked and not report.differing and report.verdict == "fail"
+    assert "decoder.final_layernorm.weight: 1 of 64 elements NaN or infinite; its HF tensors hold the same" in report.text()
+    assert main(["ckpt", "verify-conversion", "--hf", str(source), "--torch-dist", str(folder)]) == 1
+    capsys.readouterr()
+    with pytest.warns(UserWarning, match=r"tensor model.language_model.norm.weight holds 1 NaN or infinite value\(s\) "
+                                         r"of 64; copied as is"):
+        slice_checkpoint(source, 2, tmp_path / "sliced", progress=False)
 
 
 def test_likely_cause_reads_fp8_tensors():

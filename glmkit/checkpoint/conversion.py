@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from glmkit.checkpoint.hf import Checkpoint, CheckpointError, open_checkpoint
+from glmkit.checkpoint.hf import Checkpoint, CheckpointError, count_nonfinite, open_checkpoint
 from glmkit.checkpoint.megatron_names import ALPHAS, CAT, COPY, PICK, STACK, Rule, megatron_rules
 from glmkit.checkpoint.names import LM_HEAD, TEXT_PREFIX, checkpoint_key
 from glmkit.checkpoint.torch_dist import TorchDistCheckpoint, save_torch_dist
@@ -111,11 +111,13 @@ class ConversionReport:
     narrowed: list = field(default_factory=list)     # {"key", "dtype"}: a tensor the framework keeps in fp32
     mistyped: list = field(default_factory=list)     # {"key", "dtype"}: stored as integers or bool
     padded: list = field(default_factory=list)       # {"key", "rows", "expected_rows"}: vocab padding (fine)
+    nonfinite: list = field(default_factory=list)    # {"key", "count", "numel", "as_in_hf"}: NaN / Inf stored
     skipped: dict = field(default_factory=dict)      # non-tensor entries and training state, by kind
 
     @property
     def passed(self) -> bool:
-        return not (self.missing or self.extra or self.misshaped or self.differing or self.narrowed or self.mistyped)
+        return not (self.missing or self.extra or self.misshaped or self.differing or self.narrowed or self.mistyped
+                    or self.nonfinite)
 
     @property
     def verdict(self) -> str:
@@ -125,15 +127,15 @@ class ConversionReport:
         return {"verdict": self.verdict, "hf": self.hf, "torch_dist": self.torch_dist, "checked": self.checked,
                 "matched": self.matched, "missing": self.missing, "extra": self.extra, "misshaped": self.misshaped,
                 "differing": self.differing, "narrowed": self.narrowed, "mistyped": self.mistyped,
-                "padded": self.padded,
-                "skipped": self.skipped}
+                "padded": self.padded, "nonfinite": self.nonfinite, "skipped": self.skipped}
 
     def text(self) -> str:
         lines = [f"conversion check: {self.torch_dist}\n  against {self.hf}",
                  f"  {self.checked} tensors checked, {self.matched} match; "
                  f"{len(self.missing)} missing, {len(self.extra)} extra, {len(self.misshaped)} mis-shaped, "
                  f"{len(self.differing)} differing, {len(self.narrowed)} narrowed from fp32"
-                 + (f", {len(self.mistyped)} not floating point" if self.mistyped else "")]
+                 + (f", {len(self.mistyped)} not floating point" if self.mistyped else "")
+                 + (f", {len(self.nonfinite)} holding NaN or Inf" if self.nonfinite else "")]
         if self.skipped:
             lines.append("  not weights, skipped: " + ", ".join(f"{n} {kind}" for kind, n in self.skipped.items()))
         for row in self.padded:
@@ -153,7 +155,11 @@ class ConversionReport:
                     ("narrowed", self.narrowed, lambda r: f"{r['key']} stored as {r['dtype']}; the framework "
                                                           f"keeps it in float32"),
                     ("not floating point", self.mistyped, lambda r: f"{r['key']} stored as {r['dtype']}; its HF "
-                                                                    f"tensor is floating point")]
+                                                                    f"tensor is floating point"),
+                    ("not finite", self.nonfinite, lambda r: f"{r['key']}: {r['count']} of {r['numel']} elements NaN or "
+                                                             f"infinite" + ("; its HF tensors hold the same (the "
+                                                             "conversion kept them; no forward of these weights is "
+                                                             "finite)" if r["as_in_hf"] else ""))]
         for title, rows, show in sections:
             if rows:
                 lines.append(f"  {title}:")
@@ -448,6 +454,8 @@ def verify_conversion(hf, torch_dist, atol: float = 0.0, progress: bool = True) 
         actual = stored.get(key)
         good = check.stacked(rule, actual) if rule.join == STACK else check.plain(rule, actual)
         report.matched += int(good)
+        if bad := count_nonfinite(actual):  # matching NaN for NaN is a faithful conversion of unusable weights
+            report.nonfinite.append({"key": key, "count": bad, "numel": actual.numel(), "as_in_hf": good})
         del actual
     return report
 

@@ -532,6 +532,14 @@ class Checkpoint:
                 f"{len(self._tensors)} text tensors, {self.nbytes / 2**30:.2f} GiB {self.dtype})")
 
 
+def count_nonfinite(tensor: torch.Tensor) -> int:
+    """How many elements of a floating-point tensor are NaN or infinite (in pieces: no bool copy of a
+    large tensor; 0 for other dtypes)."""
+    if not tensor.is_floating_point():
+        return 0
+    return sum(int((~piece.isfinite()).sum()) for piece in tensor.detach().reshape(-1).split(1 << 24))
+
+
 def _count(n: int, noun: str) -> str:
     return f"{n} {noun}" + ("" if n == 1 else "s")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import torch
 from tqdm import tqdm
 from transformers import Glm5NextTextConfig
 
-from glmkit.checkpoint.hf import Checkpoint, CheckpointError, open_checkpoint, save_checkpoint
+from glmkit.checkpoint.hf import Checkpoint, CheckpointError, count_nonfinite, open_checkpoint, save_checkpoint
 from glmkit.checkpoint.names import expected_tensors, layer_of
 from glmkit.config import DSA
 
@@ -67,7 +68,11 @@ def slice_summary(source: Checkpoint, config: Glm5NextTextConfig) -> str:
 def _copied_tensors(source: Checkpoint, config: Glm5NextTextConfig, progress: bool) -> Iterator[tuple[str, torch.Tensor]]:
     names = list(expected_tensors(config))
     for name in tqdm(names, desc="slice", unit="tensor", disable=not progress):
-        yield name, source.get(name)
+        tensor = source.get(name)
+        if bad := count_nonfinite(tensor):  # copied as it is (a slice may be how one looks into it), said once
+            warnings.warn(f"{source.path}: tensor {name} holds {bad} NaN or infinite value(s) of {tensor.numel()}; "
+                          f"copied as is (training and checking refuse such a checkpoint)", stacklevel=2)
+        yield name, tensor
 
 
 def slice_checkpoint(src: str | os.PathLike | Checkpoint, layers: int, out: str | os.PathLike,

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from glmkit.checkpoint.hf import CheckpointError
-from glmkit.inputs import UNPICKLE_ERRORS, read_marker
+from glmkit.inputs import UNPICKLE_ERRORS, not_a_file, read_marker
 
 TRACKER = "latest_checkpointed_iteration.txt"
 MAX_INDEX_BYTES = 1 << 30  # an index names tensors and chunks; a full-model one is megabytes
@@ -103,7 +103,7 @@ def resolve_dir(path) -> Path:
         raise FileNotFoundError(f"{path}: not found")
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a directory (a torch_dist checkpoint is a folder)")
-    if (path / ".metadata").is_file():
+    if _index_here(path):
         return path
     tracker = path / TRACKER
     if not (tracker.exists() or tracker.is_symlink()):
@@ -118,9 +118,20 @@ def resolve_dir(path) -> Path:
         folder = path / f"iter_{int(text):07d}"
     else:
         raise CheckpointError(f"{tracker}: {text[:40]!r}; expected 'release' or an iteration number")
-    if not (folder / ".metadata").is_file():
+    if not _index_here(folder):
         raise CheckpointError(f"{folder}/.metadata not found (the tracker names {text!r}): an incomplete checkpoint")
     return folder
+
+
+def _index_here(folder: Path) -> bool:
+    """Whether `folder` holds a `.metadata` index; one that is there but not a regular file (a FIFO
+    would block the read, a folder cannot be one) is refused by what it is, not called absent."""
+    index = folder / ".metadata"
+    if not (index.exists() or index.is_symlink()):
+        return False
+    if (why := not_a_file(index)) is not None:
+        raise CheckpointError(f"{index}: {why}; a torch_dist index is a regular file")
+    return True
 
 
 class TorchDistCheckpoint:
@@ -167,10 +178,15 @@ class TorchDistCheckpoint:
         if outside:
             raise CheckpointError(f"{self.path}/.metadata: names data files outside the checkpoint folder "
                                   f"({', '.join(outside[:3])}); refused")
-        absent = [name for name in files if not (self.path / name).is_file()]
+        odd = {name: why for name in files if (why := not_a_file(self.path / name)) is not None}
+        absent = [name for name, why in odd.items() if why == "no such file"]
         if absent:
             raise CheckpointError(f"{self.path}: {len(absent)} of the {len(files)} data files the index names are "
                                   f"missing: {', '.join(absent[:5])}{', ...' if len(absent) > 5 else ''}")
+        if odd:  # a pipe would block the read, a folder cannot be read
+            name, why = next(iter(odd.items()))
+            raise CheckpointError(f"{self.path}: {len(odd)} of the {len(files)} data files the index names are not "
+                                  f"regular files: {name} {why}")
 
     def _check_chunks_cover(self, key: str, shape) -> None:
         meta = self.metadata.state_dict_metadata[key]
