@@ -757,6 +757,39 @@ def test_over_long_headers_are_answered_431_even_while_the_client_still_sends(se
     assert requests.get(server.url + "/health", timeout=10).status_code == 200
 
 
+def _whole_answer(port: int, raw: bytes) -> bytes:
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as conn:
+        conn.sendall(raw)
+        answer = b""
+        while piece := conn.recv(65536):  # until the server closes
+            answer += piece
+    return answer
+
+
+@pytest.mark.parametrize("raw, status, text", [
+    (b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n", b"400 Bad Request",
+     b"a malformed HTTP/1.1 request: bad Content-Length"),
+    (b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\n{}",
+     b"400 Bad Request", b"a malformed HTTP/1.1 request: conflicting Content-Length headers"),
+    (b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", b"505 HTTP Version Not Supported",
+     b"HTTP/2.0 is not served here: this server speaks HTTP/1.1"),
+    (b"GET /health HTTP/3.0\r\nHost: x\r\n\r\n", b"505 HTTP Version Not Supported", b"HTTP/3.0 is not served here"),
+])
+def test_a_request_h11_cannot_serve_gets_one_answer_saying_what_is_wrong(server, raw, status, text):
+    """Hostile pass 14: a negative or doubled Content-Length was answered "(not HTTP/1.1 that h11 can
+    parse)", which blamed the protocol; an HTTP/2 preface got 404 (h11 reads `PRI *` as a request) and
+    then 400. Each now gets one answer on a closing connection: 400 naming the fault, 505 naming the
+    version. HTTP/1.0 is still served."""
+    answer = _whole_answer(server.port, raw)
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 " + status + b"\r\n") and b"connection: close" in head, answer
+    assert body.startswith(text) and not re.search(rb"HTTP/1\.1 \d{3} ", body), answer  # one answer, not two
+    old = _whole_answer(server.port, b"GET /health HTTP/1.0\r\n\r\n")
+    assert old.startswith(b"HTTP/1.1 200"), old
+
+
 def test_headers_that_never_end_are_answered_408_and_connections_are_capped():
     """Hostile pass 6: connections that never finished their headers were held with no timeout (uvicorn has
     none), and 20k of them exhausted the descriptors. Now headers must arrive within --header-timeout-s of

@@ -11,6 +11,7 @@ keep-alive timeout."""
 from __future__ import annotations
 
 import os
+import re
 import resource
 
 import h11
@@ -25,6 +26,19 @@ def _closing_answer(status: int, reason: str, text: str) -> bytes:
     body = text.encode()
     return (f"HTTP/1.1 {status} {reason}\r\ncontent-type: text/plain; charset=utf-8\r\n"
             f"content-length: {len(body)}\r\nconnection: close\r\n\r\n").encode() + body
+
+
+_REQUEST_LINE = re.compile(rb"[!-~]+ [!-~]+ HTTP/(\d+(?:\.\d+)?)\r?\n")
+
+
+def _other_http_version(head: bytes) -> str | None:
+    """The HTTP version a request line asks for when it is not 1.x (h11 parses `PRI * HTTP/2.0`, an
+    HTTP/2 client's preface, or `GET / HTTP/3.0` as requests and would route them); None otherwise,
+    or while the line is still incomplete."""
+    found = _REQUEST_LINE.match(head)
+    if found is None or found.group(1).split(b".")[0] == b"1":
+        return None
+    return found.group(1).decode()
 
 
 def open_descriptors() -> int:
@@ -60,9 +74,20 @@ def bounded_protocol(header_timeout_s: float, max_connections: int) -> type[H11P
     class BoundedH11Protocol(H11Protocol):
         _header_timer = None
         _lingering = None  # bytes dropped since a refusal; None while the connection serves
+        _parse_error = None  # what h11 found wrong in the request (uvicorn passes on only a generic line)
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
+            next_event = self.conn.next_event
+
+            def next_event_recorded():
+                try:
+                    return next_event()
+                except h11.RemoteProtocolError as err:
+                    self._parse_error = str(err)
+                    raise
+
+            self.conn.next_event = next_event_recorded
             if len(self.connections) > max_connections:
                 transport.write(_closing_answer(503, "Service Unavailable",
                                                 f"the server holds its limit of {max_connections} open connections; "
@@ -76,6 +101,12 @@ def bounded_protocol(header_timeout_s: float, max_connections: int) -> type[H11P
                 self._lingering += len(data)
                 if self._lingering > LINGER_BYTES:
                     self.transport.close()
+                return
+            if self.conn.their_state is h11.IDLE and (version := _other_http_version(
+                    bytes(getattr(self.conn, "_receive_buffer", b"")) + data)) is not None:
+                self._refuse(_closing_answer(505, "HTTP Version Not Supported",
+                                             f"HTTP/{version} is not served here: this server speaks HTTP/1.1 "
+                                             f"(as SGLang's does)\n"))
                 return
             super().data_received(data)
             if self.transport.is_closing():
@@ -99,7 +130,10 @@ def bounded_protocol(header_timeout_s: float, max_connections: int) -> type[H11P
                 answer = _closing_answer(431, "Request Header Fields Too Large",
                                          f"the request line and headers exceed {MAX_HEADER_BYTES} bytes\n")
             else:
-                answer = _closing_answer(400, "Bad Request", f"{msg} (not HTTP/1.1 that h11 can parse)\n")
+                answer = _closing_answer(400, "Bad Request", f"a malformed HTTP/1.1 request: {self._parse_error or msg}\n")
+            self._refuse(answer)
+
+        def _refuse(self, answer: bytes) -> None:
             self._disarm_header_deadline()
             self.transport.write(answer)
             self._linger()
