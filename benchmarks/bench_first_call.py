@@ -43,34 +43,38 @@ BACKENDS = "kda=fla,dsa=auto,moe=auto"
 
 def record_autotune_keys() -> list:
     """Every Triton autotune's disk-cache lookup of this process, as a list that fills as they happen:
-    (function, hit, {part: sha256 prefix}) with the parts Triton hashes into the cache key (its own
-    build, the GPU backend, the function's source key, the cache-invalidating environment, the tuning
-    key, the configs), so a miss in a warm process names the part that moved since the cold one."""
+    {function, hit, key_text}, key_text being the exact text Triton hashes into the cache file's name
+    (its build, the GPU backend, the function's source key, the cache-invalidating environment, the
+    tuning key, the configs), caught where Triton's autotuner hashes it, so a miss in a warm process
+    shows what moved since the cold one whatever Triton version builds the key."""
     import hashlib
 
     from triton.runtime import autotuner
 
-    seen, original = [], autotuner.Autotuner.check_disk_cache
+    seen, last = [], {}
 
-    def digest(value) -> str:
-        return hashlib.sha256(str(value).encode()).hexdigest()[:12]
+    class HashRecorder:  # the autotuner module's `hashlib`: records what it hashes, hashes as before
+        def __getattr__(self, name):
+            return getattr(hashlib, name)
+
+        def sha256(self, data=b"", *args, **kwargs):
+            last["key_text"] = data.decode("utf-8", "replace") if isinstance(data, bytes) else str(data)
+            return hashlib.sha256(data, *args, **kwargs)
+
+    original = autotuner.Autotuner.check_disk_cache
 
     def check_disk_cache(self, tuning_key, configs, bench_fn):
-        from triton._C.libtriton import get_cache_invalidating_env_vars
-        from triton.compiler.compiler import make_backend, triton_key
-        from triton.runtime.driver import driver
-        from triton.runtime.jit import JITFunction
-
-        fn = self.fn
-        while not isinstance(fn, JITFunction):
-            fn = fn.fn
-        backend = make_backend(driver.active.get_current_target()).hash()
-        parts = {"triton": digest(triton_key()), "backend": digest(backend), "source": digest(fn.cache_key), "env": digest(sorted(get_cache_invalidating_env_vars().items())),
-                 "tuning_key": digest(tuning_key), "configs": digest([str(c) for c in configs])}
+        last.clear()
         hit = original(self, tuning_key, configs, bench_fn)
-        seen.append({"function": fn.__name__, "hit": bool(hit), "parts": parts, "tuning_key": str(tuning_key)[:300]})
+        fn = self.fn
+        while hasattr(fn, "fn"):
+            fn = fn.fn
+        seen.append({"function": getattr(fn, "__name__", repr(fn)), "hit": bool(hit),
+                     "key_text": last.get("key_text", "(not seen: this Triton names its cache another way)")})
         return hit
 
+    if hasattr(autotuner, "hashlib"):
+        autotuner.hashlib = HashRecorder()
     autotuner.Autotuner.check_disk_cache = check_disk_cache
     return seen
 
@@ -108,6 +112,8 @@ def child(path: str) -> dict:
 
     result["autotune_lookups"] = autotunes
     result["triton_cache_dir"] = knobs.cache.dir
+    result["cache_env"] = {k: os.environ.get(k) for k in ("TRITON_CACHE_DIR", "TRITON_CACHE_AUTOTUNING",
+                                                          "TORCHINDUCTOR_CACHE_DIR", "TILELANG_CACHE_DIR")}
     from torch._dynamo.utils import compile_times, counters
 
     result["counters"] = {group: dict(counts) for group, counts in counters.items()
@@ -138,21 +144,29 @@ def decode_call(model, ids):
 
 
 def autotune_misses(cold: list, warm: list) -> list[str]:
-    """Why each autotune the warm process ran again missed the disk cache: the parts of its cache key
-    that differ from the cold process's lookup of the same function."""
+    """Why each autotune the warm process ran again missed the disk cache: where its hashed key text
+    first differs from the cold process's nearest lookup of the same function."""
     lines = []
     for lookup in warm:
         if lookup["hit"]:
             continue
-        before = [c for c in cold if c["function"] == lookup["function"]]
+        before = [c["key_text"] for c in cold if c["function"] == lookup["function"]]
         if not before:
             lines.append(f"autotune miss {lookup['function']}: not looked up in the cold process")
             continue
-        best = min(before, key=lambda c: sum(c["parts"][k] != v for k, v in lookup["parts"].items()))
-        moved = [k for k, v in lookup["parts"].items() if best["parts"][k] != v]
-        why = "key parts moved: " + ", ".join(moved) if moved else "same key (the cold process did not store it)"
-        lines.append(f"autotune miss {lookup['function']}: {why} (tuning key {lookup['tuning_key'][:120]})")
+        text = lookup["key_text"]
+        nearest = max(before, key=lambda b: _common_prefix(b, text))
+        if nearest == text:
+            lines.append(f"autotune miss {lookup['function']}: same key text as the cold process (it did not store it)")
+            continue
+        at = _common_prefix(nearest, text)
+        lines.append(f"autotune miss {lookup['function']}: key text differs at character {at} of {len(text)}: "
+                     f"cold ...{nearest[max(0, at - 60):at + 100]!r} warm ...{text[max(0, at - 60):at + 100]!r}")
     return lines
+
+
+def _common_prefix(a: str, b: str) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def files_under(folder: Path) -> tuple[int, int]:
@@ -225,6 +239,9 @@ def main(argv=None):
                           f"({', '.join(row['autotuned_functions'])}); "
                           f"counters {json.dumps(row['counters'])}", flush=True)
                     print(textwrap.indent(row["compile_times"].strip(), "         "), flush=True)
+                    lookups = row["autotune_lookups"]
+                    print(f"         autotune disk-cache lookups {len(lookups)} ({sum(x['hit'] for x in lookups)} hits); "
+                          f"Triton's cache {row['triton_cache_dir']}; {json.dumps(row['cache_env'])}", flush=True)
                     if state == "warm":
                         cold = next((r for r in rows if r["path"] == path and r["cache"] == "cold"), {})
                         for line in autotune_misses(cold.get("autotune_lookups", []), row["autotune_lookups"]):
