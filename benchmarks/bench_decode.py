@@ -17,7 +17,11 @@ Weights: seeded random (glmkit's synth rules) made on the device, shared with th
   included: each run is a new SlotBatch), against the same requests all at the mean length (fixed):
   the ratio fixed / mixed is what the target bounds. A warm-up run first steps every slot bucket
   once (compiles for each batch size stay out of both).
-A reference row that runs out of memory is reported as such. Writes JSON with --out after every row.
+On the GPU each decode row also prints its limit: the bytes a step must move at the least (weights once,
+the embedding's B rows and the routed experts B tokens touch under uniform routing, the caches once,
+`decode_step_bytes`) over the device-to-device copy bandwidth measured at the start of the run, and
+glmkit's ms per step against it (the target is 1.15x). A reference row that runs out of memory is
+reported as such. Writes JSON with --out after every row.
 """
 
 from __future__ import annotations
@@ -60,6 +64,43 @@ def ms_per_step(step, steps, device):
     return (time.perf_counter() - start) / steps * 1e3
 
 
+def decode_step_bytes(model, config, batch: int, cache_bytes: int) -> int:
+    """The bytes one decode step of `batch` requests must move at the least, for its limit: every
+    weight read once, except the token embedding (`batch` rows) and the routed experts (the share that
+    `batch` tokens x top-k of E touch under uniform routing, E (1 - (1 - k/E)^batch) experts a layer),
+    plus every byte of the requests' caches read once."""
+    experts, top_k = config.n_routed_experts, config.num_experts_per_tok
+    touched = 1 - (1 - top_k / experts) ** batch
+    total = cache_bytes
+    for name, weight in model.named_parameters():
+        size = weight.numel() * weight.element_size()
+        if name == "embed_tokens.weight":
+            size = min(batch, weight.shape[0]) * weight.shape[1] * weight.element_size()
+        elif ".mlp.experts." in name:
+            size *= touched
+        total += size
+    return int(total)
+
+
+def copy_bandwidth(device) -> float | None:
+    """Bytes a second this GPU moves in a device-to-device copy of 1 GiB (read + write), measured now:
+    the bandwidth a decode step can use at best. None off the GPU."""
+    if device != "cuda":
+        return None
+    source = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    for _ in range(3):
+        target.copy_(source)
+    torch.cuda.synchronize()
+    start, reps = time.perf_counter(), 20
+    for _ in range(reps):
+        target.copy_(source)
+    torch.cuda.synchronize()
+    moved = 2 * source.numel() * reps / (time.perf_counter() - start)
+    del source, target
+    return moved
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variant", default="tiny")
@@ -80,7 +121,7 @@ def main(argv=None):
     if args.prompt_len < 1 or args.steps < 1 or args.mixed_max < 16:
         raise SystemExit("--prompt-len and --steps must be >= 1, --mixed-max >= 16")
     batches = [int(b) for b in args.batches.split(",") if b.strip()]
-    slot_counts = [int(n) for n in args.mixed_slots.split(",") if n.strip()] or [args.mixed]
+    slot_counts = ([int(n) for n in args.mixed_slots.split(",") if n.strip()] or [args.mixed]) if args.mixed else []
     if any(n < 1 for n in batches + slot_counts) or (args.prefill_chunk is not None and args.prefill_chunk < 1):
         raise SystemExit("--batches, --mixed-slots and --prefill-chunk must be >= 1")
 
@@ -95,7 +136,10 @@ def main(argv=None):
     model = synth_model(config, 0, dtype=dtype, device=dev, progress=False)
     engine = RolloutEngine(model, f"kda={args.kda_backend}")
     ref = None if args.no_reference else share_with_reference(model, config)
-    print(f"{describe(config)}; {dev} {args.dtype}, KDA {args.kda_backend}", flush=True)
+    bandwidth = copy_bandwidth(dev)
+    print(f"{describe(config)}; {dev} {args.dtype}, KDA {args.kda_backend}"
+          + (f"; device-to-device copy {bandwidth / 1e12:.2f} TB/s (the decode limits below use it)"
+             if bandwidth else ""), flush=True)
     g = torch.Generator().manual_seed(0)
     rows = []
     for B in batches:
@@ -124,6 +168,11 @@ def main(argv=None):
                 except torch.OutOfMemoryError:
                     row["reference"] = "OOM"
                     torch.cuda.empty_cache()
+        # the limit at the steps' mean length: weights and caches moved once at the copy bandwidth
+        row["step_bytes"] = decode_step_bytes(model, config, B, engine.cache_bytes(B, args.prompt_len + args.steps // 2 + 2))
+        if bandwidth:
+            row["limit_ms_per_step"] = row["step_bytes"] / bandwidth * 1e3
+            row["over_limit"] = row["glmkit_ms_per_step"] / row["limit_ms_per_step"]
         rows.append(row)
         write(args.out, args, rows)
         graph_note = (f", eager {row['glmkit_eager_ms_per_step']:.2f} ms, graph capture {row['graph_capture_s']:.1f} s"
@@ -134,6 +183,10 @@ def main(argv=None):
               + (f"   reference {row['reference_ms_per_step']:8.2f} ms/step (prefill {row['reference_prefill_s']:.3f} s)"
                  f"   ratio {row['ratio']:.2f}x, greedy tokens agree {row['greedy_agree']:.0%}"
                  if "ratio" in row else "") + ("   reference OOM" if row.get("reference") == "OOM" else ""), flush=True)
+        if "limit_ms_per_step" in row:
+            print(f"              limit {row['limit_ms_per_step']:.2f} ms/step ({row['step_bytes'] / 1e9:.2f} GB a step "
+                  f"at the copy bandwidth): glmkit takes {row['over_limit']:.2f}x the limit (target <= 1.15x)",
+                  flush=True)
     if args.mixed:
         lengths = torch.randint(16, args.mixed_max + 1, (args.mixed,), generator=g).tolist()
         prompts = torch.randint(3, config.vocab_size, (args.mixed, args.prompt_len), generator=g).tolist()

@@ -92,3 +92,24 @@ def test_data_parallel_compare_keeps_two_runs_of_one_side_apart(tmp_path, capsys
     assert result["largest_abs_difference"] == pytest.approx({"train/grad_norm": 0.5, "train/ppo_kl": 0.003,
                                                               "rollout/raw_reward": 0.0})
     assert "one process [second]" in capsys.readouterr().out
+
+
+def test_the_decode_limit_counts_what_a_step_must_read():
+    """bench_decode's limit (issue 37: decode within 1.15x of it): each weight once, the embedding's B
+    rows, the routed experts B tokens touch under uniform routing, the caches once. Checked against the
+    tiny model's tensors summed by hand."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_decode.py"
+    spec = importlib.util.spec_from_file_location("bench_decode", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    config = variant_config("tiny")
+    model = synth_model(config, 0, dtype=torch.float32, device="cpu", progress=False)
+    sizes = {n: p.numel() * 4 for n, p in model.named_parameters()}
+    routed = sum(v for n, v in sizes.items() if ".mlp.experts." in n)
+    rest = sum(sizes.values()) - routed - sizes["embed_tokens.weight"]
+    row = config.hidden_size * 4
+    for batch in (1, 3, 1000):
+        share = 1 - (1 - config.num_experts_per_tok / config.n_routed_experts) ** batch
+        expected = rest + min(batch, config.vocab_size) * row + routed * share + 12345
+        assert bench.decode_step_bytes(model, config, batch, 12345) == int(expected)
+    assert routed > 0 and bench.copy_bandwidth("cpu") is None
