@@ -1354,10 +1354,12 @@ def test_a_checkpoint_with_a_nan_or_inf_weight_is_refused_when_it_loads(tmp_path
     from glmkit.model import load_model
 
     source = Path(__file__).resolve().parents[1] / "glmkit" / "assets" / "tiny_start"
-    for value in (float("nan"), float("-inf")):
+    suffixes = {"nan": "layers.1.mlp.down_proj.weight", "-inf": "embed_tokens.weight",
+                "inf": "layers.3.mlp.experts.5.up_proj.weight"}  # one expert of a stack: named as stored
+    for value in (float("nan"), float("-inf"), float("inf")):
         bad = copy_ckpt(source, tmp_path / f"bad-{value}")
         tensors = load_file(str(bad / "model.safetensors"))
-        key = next(k for k in tensors if k.endswith("layers.1.mlp.down_proj.weight") or k.endswith("embed_tokens.weight"))
+        key = next(k for k in tensors if k.endswith(suffixes[str(value)]))
         tensors[key].view(-1)[7] = value
         save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
         with pytest.raises(CheckpointError, match=rf"tensor {re.escape(key)} holds 1 NaN or infinite value\(s\) of "

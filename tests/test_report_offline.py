@@ -349,6 +349,9 @@ def test_the_sanitiser_keeps_what_views_draw():
     clean = sanitize_html(table)
     assert '<tr class="verdict-pass">' in clean and "color:#1b7f3b" in clean and "url(" not in clean
     assert 'src="data:image/png;base64,iVBORw0KGgo="' in clean and "<code>train/grad_norm</code>" in clean
+    # (the review of pass 12's fix: its regex over the serialised page also cut text that reads like a style)
+    prose = '<pre>to colour a cell write style="color: url(x)" in its tag</pre>'
+    assert sanitize_html(prose) == prose
 
 
 def test_html_nested_past_the_limit_is_shown_as_text_at_once():

@@ -5,6 +5,7 @@ from glmkit.checkpoint.hf import (
     Checkpoint,
     CheckpointError,
     TensorInfo,
+    count_nonfinite,
     open_checkpoint,
     save_checkpoint,
 )
@@ -17,6 +18,7 @@ __all__ = [
     "Checkpoint",
     "CheckpointError",
     "TensorInfo",
+    "count_nonfinite",
     "expected_tensors",
     "layer_of",
     "layer_tensors",

@@ -111,7 +111,7 @@ class ConversionReport:
     narrowed: list = field(default_factory=list)     # {"key", "dtype"}: a tensor the framework keeps in fp32
     mistyped: list = field(default_factory=list)     # {"key", "dtype"}: stored as integers or bool
     padded: list = field(default_factory=list)       # {"key", "rows", "expected_rows"}: vocab padding (fine)
-    nonfinite: list = field(default_factory=list)    # {"key", "count", "numel", "as_in_hf"}: NaN / Inf stored
+    nonfinite: list = field(default_factory=list)    # {"key", "count", "numel"}: NaN / Inf kept from the HF side
     skipped: dict = field(default_factory=dict)      # non-tensor entries and training state, by kind
 
     @property
@@ -157,9 +157,8 @@ class ConversionReport:
                     ("not floating point", self.mistyped, lambda r: f"{r['key']} stored as {r['dtype']}; its HF "
                                                                     f"tensor is floating point"),
                     ("not finite", self.nonfinite, lambda r: f"{r['key']}: {r['count']} of {r['numel']} elements NaN or "
-                                                             f"infinite" + ("; its HF tensors hold the same (the "
-                                                             "conversion kept them; no forward of these weights is "
-                                                             "finite)" if r["as_in_hf"] else ""))]
+                                                             f"infinite; its HF tensors hold the same (the conversion "
+                                                             f"kept them; no forward of these weights is finite)")]
         for title, rows, show in sections:
             if rows:
                 lines.append(f"  {title}:")
@@ -454,8 +453,8 @@ def verify_conversion(hf, torch_dist, atol: float = 0.0, progress: bool = True) 
         actual = stored.get(key)
         good = check.stacked(rule, actual) if rule.join == STACK else check.plain(rule, actual)
         report.matched += int(good)
-        if bad := count_nonfinite(actual):  # matching NaN for NaN is a faithful conversion of unusable weights
-            report.nonfinite.append({"key": key, "count": bad, "numel": actual.numel(), "as_in_hf": good})
+        if good and (bad := count_nonfinite(actual)):  # NaN matched NaN: faithful, and still unusable weights
+            report.nonfinite.append({"key": key, "count": bad, "numel": actual.numel()})
         del actual
     return report
 

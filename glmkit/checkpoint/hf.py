@@ -533,11 +533,15 @@ class Checkpoint:
 
 
 def count_nonfinite(tensor: torch.Tensor) -> int:
-    """How many elements of a floating-point tensor are NaN or infinite (in pieces: no bool copy of a
-    large tensor; 0 for other dtypes)."""
+    """How many elements of a floating-point tensor are NaN or infinite, counted where it is (in pieces:
+    no bool copy of a large tensor; one sync), 0 for other dtypes. fp8 has no isfinite: its pieces
+    are read in fp32."""
     if not tensor.is_floating_point():
         return 0
-    return sum(int((~piece.isfinite()).sum()) for piece in tensor.detach().reshape(-1).split(1 << 24))
+    total = torch.zeros((), dtype=torch.int64, device=tensor.device)
+    for piece in tensor.detach().reshape(-1).split(1 << 24):
+        total += (~(piece.float() if piece.element_size() == 1 else piece).isfinite()).sum()
+    return int(total)
 
 
 def _count(n: int, noun: str) -> str:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from glmkit.checkpoint.names import checkpoint_key, keeps_fp32
@@ -36,30 +38,30 @@ def load_model(path, dtype: torch.dtype | None = None, device="cpu", finite: boo
 
 def refuse_nonfinite_weights(model: Glm5Model, path) -> None:
     """A checkpoint whose weights hold a NaN or an Inf is refused by tensor (checked where they now
-    are, in pieces, one sync a tensor): every forward of it would be NaN, and sampling, the loss and
-    the plots would fail far from the cause."""
-    from glmkit.checkpoint import CheckpointError
+    are, in pieces, one sync a parameter): every forward of it would be NaN, and sampling, the loss
+    and the plots would fail far from the cause."""
+    from glmkit.checkpoint import CheckpointError, count_nonfinite
 
-    for name, tensor in model.state_dict().items():
-        if not tensor.is_floating_point():
-            continue
-        finite = torch.ones((), dtype=torch.bool, device=tensor.device)
-        for piece in tensor.detach().reshape(-1).split(1 << 26):
-            finite &= torch.isfinite(piece).all()
-        if not finite.item():
-            bad = int((~torch.isfinite(tensor.detach())).sum())
-            raise CheckpointError(f"{path}: tensor {checkpoint_key(name)} holds {bad} NaN or infinite value(s) of "
-                                  f"{tensor.numel()}; a checkpoint's weights must be finite")
+    for name, tensor in itertools.chain(model.named_parameters(), model.named_buffers()):
+        if count_nonfinite(tensor):
+            # named as the checkpoint names it: state_dict's entries (an expert stack's are per expert)
+            within = name.rpartition(".")[0] + "."
+            key, view = next((k, v) for k, v in model.state_dict().items()
+                             if (k == name or k.startswith(within)) and count_nonfinite(v))
+            raise CheckpointError(f"{path}: tensor {checkpoint_key(key)} holds {count_nonfinite(view)} NaN or "
+                                  f"infinite value(s) of {view.numel()}; a checkpoint's weights must be finite")
 
 
 def largest_weight(model: torch.nn.Module) -> str:
     """Where the model's largest |weight| is, as a phrase ("3.0e+38 in KEY"): a finite weight that large
-    overflows the forward (bf16 and fp32 end at ~3.4e38), so it is where NaN outputs most likely start."""
+    overflows the forward (bf16 and fp32 end at ~3.4e38), so it is where NaN outputs most likely start.
+    A NaN counts as the largest (it is the first thing to name)."""
     best, where = -1.0, ""
     for name, tensor in model.state_dict().items():
         if tensor.is_floating_point() and tensor.numel():
-            peak = max(piece.abs().max() for piece in tensor.detach().reshape(-1).split(1 << 26)).item()
-            if not peak <= best:  # NaN counts as the largest: it is the first thing to name
+            pieces = tensor.detach().reshape(-1).split(1 << 24)
+            peak = torch.stack([p.float().abs().amax() for p in pieces]).amax().item()  # amax keeps a NaN
+            if not peak <= best:
                 best, where = peak, checkpoint_key(name)
     return f"{best:.1e} in {where}" if where else "no floating-point weights"
 
