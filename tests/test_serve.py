@@ -567,7 +567,15 @@ def test_a_surrogates_utf8_bytes_in_a_body_are_400_not_500(server):
                  b'{"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 1, "stop": ["\xed\xb0\x80"]}}'):
         answer = requests.post(server.url + "/generate", data=body, timeout=60,
                                headers={"Content-Type": "application/json"})
-        assert answer.status_code == 400 and "lone UTF-16 surrogate" in answer.text, answer.text[:300]
+        assert answer.status_code == 400 and "the body is not UTF-8 text (byte " in answer.text, answer.text[:300]
+    # escaped, or in a UTF-16 body (which Python's json reads, and SGLang's orjson does not)
+    for body, reason in (('{"text": "\\ud800", "sampling_params": {"max_new_tokens": 1}}'.encode(), "lone UTF-16 surrogate"),
+                         ('{"text": "ok", "sampling_params": {"max_new_tokens": 1}}'.encode("utf-16-le"),
+                          "the body is not valid JSON"),  # ASCII in UTF-16-LE is UTF-8 with NULs between
+                         ('{"text": "\\ud800"}'.encode("utf-16"), "the body is not UTF-8 text (byte 0")):
+        answer = requests.post(server.url + "/generate", data=body, timeout=60,
+                               headers={"Content-Type": "application/json"})
+        assert answer.status_code == 400 and reason in answer.text, answer.text[:300]
     assert post(server, "/generate", {"text": "caf\u00e9 \U0001f600", "sampling_params": {"max_new_tokens": 1}}).ok
 
 
@@ -1099,3 +1107,20 @@ def test_a_batch_opens_the_slots_free_memory_holds_and_refuses_a_request_none_ho
     with pytest.raises(srv.RequestError, match=r"a request of 7 tokens needs .* GiB of decode cache") as refused:
         service.open_slots(waiting, lambda it: False)
     assert refused.value.status == 503
+
+
+def test_keep_alive_requests_each_have_their_version_checked(server):
+    """The 505 check looks at each request's first line once it is whole (not at every packet): a
+    second request on the same connection is checked too, and a line sent a byte at a time as well."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as conn:
+        conn.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        first = conn.recv(65536)
+        for byte in b"GET /health HTTP/2.0\r\nHost: x\r\n\r\n":
+            conn.sendall(bytes([byte]))
+        second = b""
+        while piece := conn.recv(65536):
+            second += piece
+    assert first.startswith(b"HTTP/1.1 200"), first
+    assert second.startswith(b"HTTP/1.1 505 HTTP Version Not Supported"), second

@@ -74,7 +74,8 @@ def bounded_protocol(header_timeout_s: float, max_connections: int) -> type[H11P
     class BoundedH11Protocol(H11Protocol):
         _header_timer = None
         _lingering = None  # bytes dropped since a refusal; None while the connection serves
-        _parse_error = None  # what h11 found wrong in the request (uvicorn passes on only a generic line)
+        _parse_error = None  # h11's error for the request (uvicorn passes on only a generic line)
+        _line_checked = False  # whether this request's first line was looked at for its HTTP version
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
@@ -84,7 +85,7 @@ def bounded_protocol(header_timeout_s: float, max_connections: int) -> type[H11P
                 try:
                     return next_event()
                 except h11.RemoteProtocolError as err:
-                    self._parse_error = str(err)
+                    self._parse_error = err
                     raise
 
             self.conn.next_event = next_event_recorded
@@ -102,12 +103,14 @@ def bounded_protocol(header_timeout_s: float, max_connections: int) -> type[H11P
                 if self._lingering > LINGER_BYTES:
                     self.transport.close()
                 return
-            if self.conn.their_state is h11.IDLE and (version := _other_http_version(
-                    bytes(getattr(self.conn, "_receive_buffer", b"")) + data)) is not None:
-                self._refuse(_closing_answer(505, "HTTP Version Not Supported",
-                                             f"HTTP/{version} is not served here: this server speaks HTTP/1.1 "
-                                             f"(as SGLang's does)\n"))
-                return
+            if self.conn.their_state is h11.IDLE and not self._line_checked:
+                head = bytes(getattr(self.conn, "_receive_buffer", b"")) + data
+                self._line_checked = b"\n" in head  # once the line is whole (a request's, not each packet's)
+                if (version := _other_http_version(head)) is not None:
+                    self._refuse(_closing_answer(505, "HTTP Version Not Supported",
+                                                 f"HTTP/{version} is not served here: this server speaks HTTP/1.1 "
+                                                 f"(as SGLang's does)\n"))
+                    return
             super().data_received(data)
             if self.transport.is_closing():
                 return
@@ -125,8 +128,7 @@ def bounded_protocol(header_timeout_s: float, max_connections: int) -> type[H11P
             # uvicorn answers a request h11 cannot parse with a bare 400 and closes at once: a client still
             # sending its over-long headers then got a connection reset instead of the answer. The answer
             # here says which limit, and the connection lingers (the rest read and dropped) before closing.
-            buffered = len(getattr(self.conn, "_receive_buffer", b""))
-            if buffered >= MAX_HEADER_BYTES:
+            if getattr(self._parse_error, "error_status_hint", None) == 431:  # h11's own "buffer too long"
                 answer = _closing_answer(431, "Request Header Fields Too Large",
                                          f"the request line and headers exceed {MAX_HEADER_BYTES} bytes\n")
             else:
@@ -153,6 +155,7 @@ def bounded_protocol(header_timeout_s: float, max_connections: int) -> type[H11P
                 # the rest of that body would hold the connection with no timer armed, so it is closed
                 self.transport.close()
                 return
+            self._line_checked = False  # the next request on this connection has its own first line
             super().on_response_complete()
 
         def _arm_header_deadline(self) -> None:

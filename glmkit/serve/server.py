@@ -61,9 +61,9 @@ DEFAULT_BODY_TIMEOUT_S = 60.0
 # and connections beyond the cap are answered 503 (see glmkit/serve/connections.py).
 DEFAULT_HEADER_TIMEOUT_S = 10.0
 DEFAULT_MAX_CONNECTIONS = 2048
-# JSON may escape a UTF-16 surrogate, and Python's json reads a surrogate's UTF-8 bytes (ED A0..BF ..,
-# not UTF-8 at all) as one too: a lone one decodes to a str no tokenizer or encoder accepts
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+# JSON may escape a UTF-16 surrogate (the body is read as strict UTF-8, so a surrogate's own bytes never
+# get this far): a lone one decodes to a str no tokenizer or encoder accepts
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
 
 
 def answer_json(value) -> str:
@@ -1077,11 +1077,16 @@ def build_app(service: EngineService, window_s: float = 0.005, max_body: int = D
             raise RequestError("the client disconnected before sending the whole body", status=400) from None
         if not data.strip():
             return {}
+        try:  # read as UTF-8 only (as SGLang's orjson): json.loads would take UTF-16 / 32 and surrogates' bytes
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise RequestError(f"the body is not UTF-8 text (byte {err.start}: {err.reason}); JSON bodies are "
+                               f"sent as UTF-8", layout="bad_request") from None
         try:  # a large body is parsed off the event loop, which keeps answering meanwhile
-            body = json.loads(data) if len(data) < PARSE_INLINE_BYTES else await asyncio.to_thread(json.loads, data)
-        except (ValueError, UnicodeDecodeError, RecursionError) as err:
+            body = json.loads(text) if len(text) < PARSE_INLINE_BYTES else await asyncio.to_thread(json.loads, text)
+        except (ValueError, RecursionError) as err:
             raise RequestError(f"the body is not valid JSON: {err}", layout="bad_request") from None
-        if _SURROGATE_ESCAPE.search(data) and (where := _lone_surrogate(body)) is not None:
+        if _SURROGATE_ESCAPE.search(text) and (where := _lone_surrogate(body)) is not None:
             raise RequestError(f"the body holds a lone UTF-16 surrogate (an escape such as \\ud800 without its pair) "
                                f"at {where}: not a Unicode string", layout="bad_request")
         return body
