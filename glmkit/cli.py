@@ -10,9 +10,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
+from glmkit import native_log
 from glmkit.commands import check, ckpt, kernels, launch, parity, rollout_data, serve, train
 from glmkit.commands.check import cmd_check
 from glmkit.commands.ckpt import cmd_ckpt_synth
@@ -114,6 +116,8 @@ def main(argv=None) -> int:
     if bad_path:
         print(f"glmkit {args.command}: error: {bad_path}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    if argv is None:  # the process is glmkit's own command line (not a caller's, in-process)
+        native_log.allow()
     default_show = warnings.showwarning
     default_term = _on_sigterm(_terminate)
     try:
@@ -130,11 +134,15 @@ def main(argv=None) -> int:
               f"half-written is left as if it were whole)", file=sys.stderr)
         return EXIT_TERMINATED if isinstance(stop, Terminated) else EXIT_INTERRUPTED
     finally:
-        warnings.showwarning = default_show
-        if _on_sigterm(default_term) is _already_stopping:  # the process ends now: later SIGTERMs are no news
-            import signal  # (SIG_IGN: Python's shutdown resets its own handlers to the default, which kills)
+        import signal
 
-            _on_sigterm(signal.SIG_IGN)
+        warnings.showwarning = default_show
+        stopping = threading.current_thread() is threading.main_thread() and \
+            signal.getsignal(signal.SIGTERM) is _already_stopping
+        # a stopped command line ends now: later SIGTERMs are no news (SIG_IGN, set straight from the
+        # stopping handler: Python's shutdown resets its own handlers to the default, which kills);
+        # a caller in this process (argv given: a test, a notebook) gets its own handler back
+        _on_sigterm(signal.SIG_IGN if stopping and argv is None else default_term)
 
 
 # options whose value is a path: given as '' (an unset shell variable) it would silently mean the default

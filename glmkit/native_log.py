@@ -7,7 +7,9 @@ attempt, written by C++ straight to file descriptor 2. Python's `sys.stderr` nev
 Python as the exception glmkit answers with, so the frames say nothing a user can act on.
 
 `condense_native_traces()` routes descriptor 2 through a small filter process that passes every byte
-on at once, except those frames, which become one line saying how many were left out. It is a
+on at once, except those frames, which become one line saying how many were left out. It does so only
+in a process that `allow()`ed it, which glmkit's CLI does: a library call (glmkit's client inside
+someone's trainer, a notebook) leaves the host process's stderr as it is. It is a
 separate process so that whatever this one writes as it dies (an abort's last words, faulthandler's
 dump) still gets out, and it leaves when the last writer closes its end. `GLMKIT_NATIVE_TRACES=1`
 keeps the frames (nothing is filtered).
@@ -26,12 +28,20 @@ TRACE_LINES = (b"frame #", b"<omitting python frames>")
 
 _lock = threading.Lock()
 _installed = False
+_allowed = False
+
+
+def allow() -> None:
+    """Let this process condense its native traces once it forms a process group (glmkit's CLI: the
+    process is glmkit's own)."""
+    global _allowed
+    _allowed = True
 
 
 def condense_native_traces() -> bool:
-    """Descriptor 2 through the filter from now on (once per process) -> whether it is."""
+    """Descriptor 2 through the filter from now on (once per process, where `allow()`ed) -> whether it is."""
     global _installed
-    if os.environ.get(KEEP_ENV) == "1":
+    if not _allowed or os.environ.get(KEEP_ENV) == "1":
         return False
     with _lock:
         if _installed:
@@ -48,7 +58,7 @@ def condense_native_traces() -> bool:
             os.posix_spawn(sys.executable, [sys.executable, "-m", "glmkit.native_log"], _child_env(),
                            file_actions=[(os.POSIX_SPAWN_DUP2, read_end, 0), (os.POSIX_SPAWN_DUP2, target, 1),
                                          (os.POSIX_SPAWN_OPEN, 2, os.devnull, os.O_WRONLY, 0)], setsid=True)
-        except OSError:
+        except (OSError, NotImplementedError):  # (a platform without posix_spawn's setsid)
             os.close(write_end)
             return False
         finally:

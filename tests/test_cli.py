@@ -76,3 +76,32 @@ def test_existing_output_is_not_overwritten(tmp_path):
     assert glmkit("ckpt", "synth", "--variant", "tiny", "--out", target).returncode == 0
     again = glmkit("ckpt", "synth", "--variant", "tiny", "--seed", "1", "--out", target)
     assert again.returncode == 2 and str(target) in again.stderr
+
+
+def test_an_in_process_call_leaves_the_callers_sigterm_handler_and_stderr(tmp_path, capsys, monkeypatch):
+    """The review of pass 12: main() called in-process (a test, a notebook) kept SIGTERM ignored after a
+    stop and could reroute the caller's stderr. In-process it restores the caller's handler, after a
+    failure and after its own SIGTERM stop, and leaves native-trace condensing to glmkit's command line."""
+    import signal
+
+    import glmkit.commands.ckpt as ckpt_commands
+    from glmkit import native_log
+    from glmkit.cli import EXIT_TERMINATED, main
+
+    def mine(signum, frame):
+        raise AssertionError("not expected to run")
+
+    def stopped(args):  # as _terminate raises it, and with the stopping handler in place
+        signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)
+
+    before = signal.signal(signal.SIGTERM, mine)
+    try:
+        assert main(["ckpt", "info", str(tmp_path / "missing")]) == 2
+        assert signal.getsignal(signal.SIGTERM) is mine
+        monkeypatch.setattr(ckpt_commands, "cmd_ckpt_info", stopped)
+        assert main(["ckpt", "info", str(tmp_path / "missing")]) == EXIT_TERMINATED
+        assert signal.getsignal(signal.SIGTERM) is mine
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert not native_log._allowed
+    assert "terminated" in capsys.readouterr().err

@@ -64,7 +64,10 @@ def test_everything_else_passes_at_once_and_unchanged():
 
 RENDEZVOUS_NOBODY_HOSTS = textwrap.dedent("""
     import sys
+    from glmkit import native_log
     from glmkit.serve.update_group import new_named_group
+    if sys.argv[2] == "cli":
+        native_log.allow()  # as glmkit's CLI does
     try:
         new_named_group("gloo", "127.0.0.1", int(sys.argv[1]), 2, 1, "g", timeout_s=1)
     except Exception as err:
@@ -78,13 +81,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("keep", [False, True])
-def test_a_failed_rendezvous_leaves_one_line_per_c10d_message(keep):
+@pytest.mark.parametrize("keep, caller", [(False, "cli"), (True, "cli"), (False, "library")])
+def test_a_failed_rendezvous_leaves_one_line_per_c10d_message(keep, caller):
     """Hostile pass 12 (F09): a weights-update group whose trainer never came printed ~39 lines of C++
-    frames. The same process with GLMKIT_NATIVE_TRACES=1 shows them, so the filter is what removes them."""
+    frames. The same process with GLMKIT_NATIVE_TRACES=1 shows them, so the filter is what removes them;
+    so does a process that calls glmkit as a library (its stderr is its own: nothing is rerouted)."""
     env = {**os.environ, KEEP_ENV: "1" if keep else "0"}
-    run = subprocess.run([sys.executable, "-c", RENDEZVOUS_NOBODY_HOSTS, str(free_port())], capture_output=True,
-                         text=True, timeout=120, env=env)
+    run = subprocess.run([sys.executable, "-c", RENDEZVOUS_NOBODY_HOSTS, str(free_port()), caller],
+                         capture_output=True, text=True, timeout=120, env=env)
+    keep = keep or caller == "library"
     assert run.returncode == 0 and "answered: DistNetworkError" in run.stderr, run.stderr[-3000:]
     assert "[c10d]" in run.stderr  # torch's own message lines stay
     if keep:
@@ -97,8 +102,8 @@ def test_a_failed_rendezvous_leaves_one_line_per_c10d_message(keep):
 def test_what_a_dying_process_writes_still_gets_out():
     """The filter is a process of its own: a process that aborts right after writing (as a C++
     `terminate` does) loses none of its last lines, and the filter leaves when its writer is gone."""
-    code = ("import os; from glmkit.native_log import condense_native_traces\n"
-            "assert condense_native_traces()\n"
+    code = ("import os; from glmkit.native_log import allow, condense_native_traces\n"
+            "allow(); assert condense_native_traces()\n"
             "os.write(2, b'last words\\n' * 2000); os.abort()")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert run.returncode == -6 and run.stderr == "last words\n" * 2000
