@@ -484,7 +484,7 @@ def run_notebook(notebook, out_dir, parameters: dict, name: str | None = None) -
     if out_dir / f"{name}.ipynb" == notebook:
         raise ValueError(f"{notebook}: the executed copy would overwrite the notebook; choose another out_dir or name")
     out_dir = check_dir_out(out_dir, "--out", whole=False)
-    with removed_if_left_empty(out_dir), RunLock(out_dir / name, "--out"):  # one run of this report there at a time
+    with removed_if_left_empty(out_dir), RunLock(out_dir / name, "--out", shown=out_dir):  # one run of this report there at a time
         for suffix in REPORT_FILES:  # replaced only when an earlier report run wrote them
             _claim(out_dir / f"{name}{suffix}", notebook)
         return _run_locked(notebook, out_dir, parameters, name)

@@ -437,9 +437,12 @@ class RunLock:
     free, and its pid on this host gone) is taken over with a warning; one of another host, whose
     process cannot be checked, is refused until its holder ends or a user removes the file."""
 
-    def __init__(self, target, flag: str):
+    def __init__(self, target, flag: str, shown=None):
+        """`shown`: the path the user gave for `flag` where the locked output is a name inside it
+        (`check --out DIR` locks DIR/check): messages name what was given."""
         # one lock per output, however its path is spelled: a link to the same folder finds the same lock
         self.given, self.flag = target, flag
+        self.shown = target if shown is None else shown
         self.target = Path(os.path.realpath(os.path.abspath(target)))
         self.path = self.target.with_name(f".{self.target.name}.glmkit-lock")
         self.handle = None
@@ -456,8 +459,8 @@ class RunLock:
                 raise ValueError(f"{self.flag} {self.target}: its lock file {self.path} is {what.removeprefix('is ')}"
                                  f", not glmkit's; remove it if no run holds it") from None
             if err.errno in (errno.ENOENT, errno.ENOTDIR):  # a folder that takes no new files (/proc, /sys)
-                raise PermissionError(errno.EACCES, f"{self.flag} {self.given}: no file can be made in the folder "
-                                                    f"({err.strerror})", str(self.path.parent)) from None
+                raise ValueError(f"{self.flag} {self.shown}: no file can be made in {self.path.parent} "
+                                 f"({err.strerror}); give a path in a writable folder") from None
             raise
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
@@ -487,7 +490,7 @@ class RunLock:
             raise ValueError(f"{self.flag} {self.given}: {why}; give the path of a regular file or folder")
         refuse_name_without_room(self.target, self.flag)
         self._refuse_inside_a_locked_output()
-        make_folder(self.path.parent, self.flag, self.given)
+        make_folder(self.path.parent, self.flag, self.shown)
         for _ in range(100):
             handle = self._open()
             handle.seek(0)

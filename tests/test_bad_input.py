@@ -1224,7 +1224,7 @@ def test_pass_8_small_inputs_each_get_one_line_and_exit_2(tmp_path, capsys):
         (["launch", "--dry-run", "--hf-checkpoint", "/root/x\nPREFLIGHT: all ok"],  # pass 14: a forged plan line
          "--hf-checkpoint '/root/x\\nPREFLIGHT: all ok' holds a control character"),
         (["check", "--checkpoint", "a\x1b[31mb", "--out", str(tmp_path / "c")], "--checkpoint 'a\\x1b[31mb' holds a"),
-        (["check", "--out", "/proc/glmkit-out"], "--out /proc/glmkit-out/check: no folder can be made at "
+        (["check", "--out", "/proc/glmkit-out"], "--out /proc/glmkit-out: no folder can be made at "
                                                  "/proc/glmkit-out (No such file or directory)"),
     ]
     for argv, needle in cases:

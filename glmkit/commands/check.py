@@ -13,7 +13,7 @@ def cmd_check(args) -> int:
     from glmkit.outputs import RunLock, check_dir_out, removed_if_left_empty
 
     check_dir_out(args.out, "--out", whole=False)  # a file there is named before the lock would need the folder
-    with removed_if_left_empty(args.out) as out, RunLock(out / "check", "--out"):  # one check at a time there
+    with removed_if_left_empty(args.out) as out, RunLock(out / "check", "--out", shown=args.out):  # one check at a time there
         return _check(args)
 
 

@@ -717,8 +717,10 @@ def _host_tokens(tokens: torch.Tensor, logprobs: torch.Tensor) -> tuple[list, li
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [B, V] -> (tokens [B], log-prob of each under softmax(logits / T), untruncated); a row
-    holding NaN or +Inf logits gets a NaN log-prob (and an arbitrary token)."""
+    """logits [B, V] -> (tokens [B], log-prob of each under softmax(logits / T), untruncated). A row
+    holding a NaN or an infinity (weights that overflow; judged as the server's sampler judges it) gets
+    an arbitrary token and a NaN log-prob, for the caller to see; the other rows are untouched."""
+    broken = ~logits.isfinite().all(-1)
     if params.temperature < GREEDY_BELOW:
         logp = torch.log_softmax(logits.float(), -1)
         tokens = logp.argmax(-1)
@@ -729,8 +731,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator) -> tuple[tor
             sorted_p, order = probs.sort(-1, descending=True)
             drop = sorted_p.cumsum(-1) - sorted_p >= params.top_p  # keeps the first token always
             probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
-        # a row the model made NaN / Inf draws from uniform weights: its log-prob below stays NaN for
-        # the caller to see, where multinomial would raise for the whole batch (no sync here)
-        probs = torch.where(probs.isfinite().all(-1, keepdim=True), probs, 1.0)
-        tokens = torch.multinomial(probs, 1, generator=generator)[:, 0]
-    return tokens, logp.gather(-1, tokens[:, None])[:, 0]
+        # a broken row draws from uniform weights, where multinomial would raise for the whole batch
+        # (no sync here)
+        tokens = torch.multinomial(torch.where(broken[:, None], 1.0, probs), 1, generator=generator)[:, 0]
+    return tokens, logp.gather(-1, tokens[:, None])[:, 0].masked_fill(broken, float("nan"))
