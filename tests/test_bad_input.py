@@ -878,6 +878,28 @@ def test_overwrite_of_a_training_run_removes_nothing_it_did_not_write(tmp_path):
     assert not metrics.exists() and not (save / "iter_0000001").exists() and len(notes) == 2
 
 
+def test_a_marked_empty_metrics_file_is_a_run_that_never_started(tmp_path):
+    """A run stopped before its first row (refused weights at rollout 0, with no evaluation) leaves its
+    marked, empty metrics file: the next run there starts without --overwrite. A file with a row, an
+    unmarked empty one, or a link to a marked one still needs --overwrite or --resume."""
+    from glmkit.outputs import mark_file
+    from glmkit.rl.loop import TrainConfig, _claim_outputs
+
+    metrics = tmp_path / "m.jsonl"
+    cfg = TrainConfig(checkpoint="ck", prompt_data="p", metrics_out=str(metrics))
+    metrics.touch()
+    mark_file(metrics, "metrics file")
+    assert _claim_outputs(cfg) == [] and metrics.exists()
+    metrics.write_text('{"eval/step": 0}\n')
+    with pytest.raises(ValueError, match=r"already holds a run's metrics"):
+        _claim_outputs(cfg)
+    for name, make in (("unmarked.jsonl", lambda p: p.touch()), ("link.jsonl", lambda p: p.symlink_to(metrics))):
+        make(tmp_path / name)
+        metrics.write_text("")
+        with pytest.raises(ValueError, match=r"already holds a run's metrics"):
+            _claim_outputs(TrainConfig(checkpoint="ck", prompt_data="p", metrics_out=str(tmp_path / name)))
+
+
 def test_resume_refuses_an_iteration_that_is_a_symlink(tmp_path):
     """glmkit writes iter_* as directories; a link in its place (to another run's checkpoint, say) is
     not continued from."""

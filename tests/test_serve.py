@@ -555,6 +555,7 @@ def test_log_probs_that_overflow_are_null_as_sglang_writes_them(server):
                                                                  "sampling_params": {"max_new_tokens": 1}}, timeout=60)
         chunks = [line[6:] for line in streamed.text.splitlines() if line.startswith("data: {")]
         assert streamed.status_code == 200 and chunks and all(json.loads(c, parse_constant=pytest.fail) for c in chunks)
+        assert [lp for lp, _, _ in json.loads(chunks[-1])["meta_info"]["output_token_logprobs"]] == [None]
     finally:
         client.update_weights_from_tensor({"lm_head.weight": head})
 

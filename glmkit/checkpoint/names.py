@@ -17,16 +17,16 @@ from glmkit.config import DSA, KDA
 
 TEXT_PREFIX = "model.language_model."
 LM_HEAD = "lm_head.weight"
-
-
-def checkpoint_key(name: str) -> str:
-    """A text model's parameter name (`layers.0.mlp...`, `lm_head.weight`) as a checkpoint stores it."""
-    return name if name == LM_HEAD else TEXT_PREFIX + name
 EMBED = TEXT_PREFIX + "embed_tokens.weight"
 FINAL_NORM = TEXT_PREFIX + "norm.weight"
 VISION_PREFIX = "model.visual."
 
 _LAYER_RE = re.compile(r"^model\.language_model\.layers\.(\d+)\.")
+
+
+def checkpoint_key(name: str) -> str:
+    """A text model's parameter name (`layers.0.mlp...`, `lm_head.weight`) as a checkpoint stores it."""
+    return name if name == LM_HEAD else TEXT_PREFIX + name
 
 
 def layer_prefix(i: int) -> str:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import io
 import math
+import os
 import pickle
 import re
 import warnings
@@ -178,12 +179,12 @@ class TorchDistCheckpoint:
         if outside:
             raise CheckpointError(f"{self.path}/.metadata: names data files outside the checkpoint folder "
                                   f"({', '.join(outside[:3])}); refused")
-        odd = {name: why for name in files if (why := not_a_file(self.path / name)) is not None}
-        absent = [name for name, why in odd.items() if why == "no such file"]
+        absent = [name for name in files if not os.path.lexists(self.path / name)]
         if absent:
             raise CheckpointError(f"{self.path}: {len(absent)} of the {len(files)} data files the index names are "
                                   f"missing: {', '.join(absent[:5])}{', ...' if len(absent) > 5 else ''}")
-        if odd:  # a pipe would block the read, a folder cannot be read
+        odd = {name: why for name in files if (why := not_a_file(self.path / name)) is not None}
+        if odd:  # a pipe would block the read, a folder cannot be read, a link may lead nowhere
             name, why = next(iter(odd.items()))
             raise CheckpointError(f"{self.path}: {len(odd)} of the {len(files)} data files the index names are not "
                                   f"regular files: {name} {why}")

@@ -937,7 +937,7 @@ class GRPOTrainer:
         if bad:
             from glmkit.model import largest_weight
 
-            first = sorted(bad)[0]
+            first = bad[0]
             raise NonFiniteRollout(f"rollout {step}: {len(bad)} sampled log-probs are NaN or infinite, in "
                                    f"{len({i for i, _ in bad})} of {len(completions)} samples (first: sample "
                                    f"{first[0]}, token {first[1]}): the rollout's forward overflows; the policy's "
