@@ -37,7 +37,13 @@ class CheckSettings:
     backends: Backends | str | None = None
 
 
+MIN_DECODE_STEPS = 2  # the decode comparison feeds steps 2.. of the greedy rollout
+LONGEST_PROMPT = "3 x (index_topk + index_kpool) + 5"  # how _prompts sizes its first prompt, said in errors
+
+
 def _prompts(config, seed: int) -> list[list[int]]:
+    """Three prompts: one long enough that the DSA selections cover every pool (LONGEST_PROMPT), one
+    just past one selection's span, one shorter than a pool."""
     span = config.index_topk + config.index_kpool
     lengths = [3 * span + 5, span + 1, max(2, config.index_kpool - 1)]
     g = torch.Generator().manual_seed(seed)
@@ -54,9 +60,9 @@ def check_decode_steps_fit(config, settings: CheckSettings, config_file="config.
     prompts = [len(p) for p in _prompts(config, settings.seed)]
     lengths = [n + settings.decode_steps for n in prompts]
     what = f"--decode-steps {settings.decode_steps}"
-    if max(prompts) + 2 > config.max_position_embeddings:  # the prompts alone: sized by the config, not the flag
+    if max(prompts) + MIN_DECODE_STEPS > config.max_position_embeddings:  # sized by the config, not the flag
         raise ValueError(f"{config_file}: index_topk {config.index_topk} and index_kpool {config.index_kpool} make "
-                         f"glmkit check's longest prompt {max(prompts)} tokens (3 x (index_topk + index_kpool) + 5, "
+                         f"glmkit check's longest prompt {max(prompts)} tokens ({LONGEST_PROMPT}, "
                          f"so that selections cover every pool), past the model's context of "
                          f"{config.max_position_embeddings}; compare such a checkpoint with glmkit parity --seq-len")
     if max(lengths) > config.max_position_embeddings:
@@ -215,7 +221,7 @@ def _nonfinite(model, logits: dict) -> str | None:
     return f"NaN or infinite logits ({sides}); the model's largest |weight| is {largest_weight(model)}"
 
 
-def _finite(values) -> list:
+def _on_log_axis(values) -> list:
     """The finite values, floored at 1e-12 for a log axis (NaN and Inf cannot be placed on one)."""
     return [max(v, 1e-12) for v in values if math.isfinite(v)]
 
@@ -238,7 +244,7 @@ def render(result: dict) -> str:
     ax.legend(fontsize=7)
     curves = report.figure_png(fig)
     fig, ax = plt.subplots(figsize=(6, 3))
-    finite = _finite(result["_per_token"])
+    finite = _on_log_axis(result["_per_token"])
     ax.hist(finite, bins=30)
     left_out = len(result["_per_token"]) - len(finite)
     ax.set_xlabel("|logp train - logp rollout| per generated token"

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from glmkit import native_log
+from glmkit.inputs import breaks_a_line
 from glmkit.commands import check, ckpt, kernels, launch, parity, rollout_data, serve, train
 from glmkit.commands.check import cmd_check
 from glmkit.commands.ckpt import cmd_ckpt_synth
@@ -154,11 +155,6 @@ PATH_OPTIONS = ("checkpoint", "checkpoint_b", "prompt_data", "eval_prompt_data",
                 "output_dir")
 
 
-def _breaks_a_line(c: str) -> bool:
-    """A C0 or C1 control character, DEL, or a Unicode line or paragraph separator."""
-    return ord(c) < 32 or 127 <= ord(c) < 160 or c in "\u2028\u2029"
-
-
 def _bad_path(args, given: list) -> str | None:
     """Why the first path option given as an empty string, or holding a control character, cannot be
     taken; None when all can. A line break or an escape in a path would be echoed into the one-line
@@ -166,7 +162,7 @@ def _bad_path(args, given: list) -> str | None:
     for name in (*PATH_OPTIONS, "notebook"):
         value = getattr(args, name, None)
         for one in value if isinstance(value, list) else [value]:
-            if not isinstance(one, str) or (one and not any(_breaks_a_line(c) for c in one)):
+            if not isinstance(one, str) or (one and not any(breaks_a_line(c) for c in one)):
                 continue
             flag = f"--{name.replace('_', '-')}"
             if any(a.startswith("--") and len(a) > 2 and flag.startswith(a.split("=", 1)[0]) for a in given):

@@ -24,6 +24,12 @@ _KINDS = ((stat.S_ISDIR, "is a directory"), (stat.S_ISFIFO, "is a named pipe (FI
           (stat.S_ISSOCK, "is a socket"))
 
 
+def breaks_a_line(c: str) -> bool:
+    """A C0 or C1 control character, DEL, or a Unicode line or paragraph separator: what would turn a
+    one-line message echoing a value into two lines (or recolour a terminal)."""
+    return ord(c) < 32 or 127 <= ord(c) < 160 or c in "\u2028\u2029"
+
+
 def not_a_file(path: str | os.PathLike) -> str | None:
     """None when `path` is (or links to) a regular file; else why not, e.g. 'is a named pipe (FIFO)'.
     A pipe or a device would block or never end, so readers refuse them before opening."""

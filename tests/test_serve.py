@@ -492,7 +492,8 @@ def test_client_refuses_bad_settings():
     for url, reason in (("http://127.0.0.1:99999", "Port out of range"), ("http://[::1", "Invalid IPv6 URL"),
                         ("http://", "names no host"),
                         # hostile pass 14: a line break made a two-line error that blamed the server
-                        ("http://127.0.0.1:30000\n", "holds a space or a control character")):
+                        ("http://127.0.0.1:30000\n", "holds a space or a control character"),
+                        ("http://127.0.0.1:30000\u2028x", "holds a space or a control character")):
         with pytest.raises(ValueError, match=re.escape(reason)):
             SGLangClient(url)
     with pytest.raises(ValueError, match="weight update mode 'ipc'; allowed: tensor, disk, distributed"):

@@ -30,8 +30,8 @@ def _check(args) -> int:
                              f"to the checkpoint; give another folder")
     for name in ("check.json", "check.html"):  # replaced only when an earlier check wrote them
         claim_file(Path(args.out) / name, "--out", "check report", _given_paths(args, "out"))
-    if args.decode_steps < 2:  # the decode comparison feeds steps 2.. of the greedy rollout
-        raise ValueError(f"--decode-steps must be >= 2, got {args.decode_steps}")
+    if args.decode_steps < check.MIN_DECODE_STEPS:  # the decode comparison feeds steps 2.. of the greedy rollout
+        raise ValueError(f"--decode-steps must be >= {check.MIN_DECODE_STEPS}, got {args.decode_steps}")
     settings = check.CheckSettings(checkpoint=Path(args.checkpoint) if args.checkpoint else None,
                                    variant=args.variant, seed=args.seed, decode_steps=args.decode_steps,
                                    dtype=_dtype(args.dtype), device=args.device, backends=_backends(args))

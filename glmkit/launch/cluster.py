@@ -280,9 +280,10 @@ def inventory(dashboard: str) -> list[dict]:
     try:
         nodes = list_nodes(address=dashboard, detail=True, raise_on_missing_output=False)
     except (KeyError, TypeError, AttributeError, ValueError) as err:  # something answered, not Ray's state API
+        what = (f"no field {err}" if isinstance(err, KeyError) else
+                f"{type(err).__name__}: {str(err).splitlines()[0][:80] if str(err) else 'an answer of another shape'}")
         raise ClusterUnreachable(f"cannot list the nodes of {dashboard}: it answered, but not as Ray's dashboard "
-                                 f"does (its nodes API gave no {str(err)[:40] or type(err).__name__}); give the "
-                                 f"Ray head's dashboard address (http://HEAD:8265)") from err
+                                 f"does ({what}); give the Ray head's dashboard address (http://HEAD:8265)") from err
     except Exception as err:  # the state API raises its own types for an unreachable dashboard
         raise ClusterUnreachable(f"cannot list the nodes of {dashboard}: {str(err).splitlines()[0]}") from err
     rows = []

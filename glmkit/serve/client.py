@@ -23,6 +23,8 @@ import requests
 import torch
 import urllib3
 
+from glmkit.inputs import breaks_a_line
+
 
 class SGLangError(ConnectionError):
     pass
@@ -79,7 +81,7 @@ def check_server_url(url: str) -> None:
 
     if not isinstance(url, str) or not url.startswith(("http://", "https://")):
         raise ValueError(f"server URL must start with http:// or https://, got {url!r}")
-    if any(ord(c) < 33 or 127 <= ord(c) < 160 for c in url):  # a line break would split the one-line error
+    if any(c == " " or breaks_a_line(c) for c in url):  # a line break would split the one-line error
         raise ValueError(f"server URL {url!r} holds a space or a control character; expected http://HOST:PORT")
     try:
         parts = urlsplit(url)
