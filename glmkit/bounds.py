@@ -43,14 +43,17 @@ def cgroup_room(proc: str = "/proc/self/cgroup", root: str = "/sys/fs/cgroup") -
         else:
             continue
         group = base / path.strip("/")
-        for group in [group, *(above for above in group.parents if above == base or base in above.parents)]:
+        while True:  # the process's group, then each one above it up to the hierarchy's root
             try:
                 limit = (group / limit_name).read_text().strip()
                 usage = int((group / usage_name).read_text().strip())
+                if limit.isdigit() and int(limit) < UNLIMITED:
+                    rooms.append(max(0, int(limit) - usage))
             except (OSError, ValueError):
-                continue
-            if limit.isdigit() and int(limit) < UNLIMITED:
-                rooms.append(max(0, int(limit) - usage))
+                pass
+            if group == base or base not in group.parents:
+                break
+            group = group.parent
     return min(rooms) if rooms else None
 
 
