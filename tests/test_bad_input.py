@@ -1301,6 +1301,13 @@ def test_a_tampered_optimizer_state_is_named_before_resume_loads_it(tmp_path):
         _restore_optimizer(build_optimizer(cfg, load_model(ckpt)), folder, groups)
 
     restore()  # as saved: loads
+    # hostile pass 15: maximize, eps, betas and amsgrad were loaded from state.json as they stood
+    # (gradient ascent, exit 0); only the learning rate is the checkpoint's, the rest this run's
+    tampered = [{**g, "maximize": True, "eps": -1.0, "betas": [2, 3], "amsgrad": True, "lr": 5e-5} for g in groups]
+    resumed = build_optimizer(cfg, load_model(ckpt))
+    _restore_optimizer(resumed, folder, tampered)
+    assert all(g["maximize"] is False and g["eps"] > 0 and tuple(g["betas"]) == (0.9, 0.98) and not g["amsgrad"]
+               and g["lr"] == 5e-5 for g in resumed.param_groups)
     with pytest.raises(ValueError, match=r"state.json: 1 param_groups; this run's optimizer has 2; --resume cannot"):
         restore(groups[:1])
     with pytest.raises(ValueError, match=r"param_groups\[0\].lr is 'fast'; this run's is"):

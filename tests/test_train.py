@@ -6,6 +6,7 @@ import dataclasses
 
 import json
 import math
+import re
 import shutil
 import subprocess
 import sys
@@ -372,6 +373,34 @@ def test_a_rollout_the_policy_made_nonfinite_is_named_and_stops_a_trained_run(tm
     with pytest.raises(NonFiniteRun, match=rf"^stopped at rollout 1: .* the policy.s largest \|weight\| is inf in {norm}$"):
         trainer.run()
     assert [h["rollout/step"] for h in rollout_rows(read_metrics(tmp_path / "later" / "metrics.jsonl"))] == [0]
+
+
+def test_a_resumed_adapter_must_be_exactly_this_runs(tmp_path):
+    """Hostile pass 15: `--resume` copied every tensor of adapter.safetensors into the model by name:
+    an added `lm_head.weight` replaced the frozen head (exit 0), a dropped lora_A restarted that
+    adapter unsaid, a wrong shape or an unknown key was exit 3. Each is refused, naming the file and
+    the tensor, before anything is copied."""
+    from safetensors.torch import load_file, save_file
+
+    save = tmp_path / "save"
+    GRPOTrainer(tiny(tmp_path, num_rollout=1, lora_rank=4, save=str(save))).run()
+    adapter = save / "iter_0000000" / "adapter.safetensors"
+    saved = load_file(str(adapter))
+    first = sorted(k for k in saved if k.endswith("lora_A"))[0]
+    damaged = {
+        "not an adapter of this run: lm_head.weight": {**saved, "lm_head.weight": torch.zeros(1024, 64)},
+        f"missing {first}": {k: v for k, v in saved.items() if k != first},
+        f"mis-shaped: {first} [5, 64]": {**saved, first: torch.zeros(5, 64)},
+        f"not floating point: {first} (int32)": {**saved, first: saved[first].to(torch.int32)},
+    }
+    for reason, tensors in damaged.items():
+        save_file(tensors, str(adapter))
+        with pytest.raises(ValueError, match=rf"adapter.safetensors: .*{re.escape(reason)}.*--resume cannot continue"):
+            GRPOTrainer(tiny(tmp_path, num_rollout=2, lora_rank=4, save=str(save), resume=True, accept_changes="num-rollout"))
+    save_file(saved, str(adapter))
+    resumed = GRPOTrainer(tiny(tmp_path, num_rollout=2, lora_rank=4, save=str(save), resume=True,
+                               accept_changes="num-rollout"))
+    assert torch.equal(dict(resumed.policy.named_parameters())[first].detach(), saved[first])
 
 
 def run_cli(*args):

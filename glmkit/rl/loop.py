@@ -589,10 +589,14 @@ def build_optimizer(cfg: TrainConfig, model) -> torch.optim.Optimizer:
 MOMENTS = ("exp_avg", "exp_avg_sq", "step")  # what AdamW keeps per parameter
 
 
+SCHEDULED = ("lr", "initial_lr")  # the param-group settings a resumed run takes from its checkpoint
+
+
 def _restore_optimizer(optimizer, folder: Path, param_groups):
-    """The optimizer's moments and param groups from a checkpoint, each checked against this run's
+    """The optimizer's moments and learning rates from a checkpoint, each checked against this run's
     optimizer before any is loaded: the same groups over the same parameters, settings of the same
-    kinds, and one moment of each parameter's shape per `<index>.<name>` tensor."""
+    kinds, and one moment of each parameter's shape per `<index>.<name>` tensor. Settings other than
+    the learning rate stay this run's."""
     file, state_file = folder / "optimizer.safetensors", folder / "state.json"
     current = optimizer.state_dict()["param_groups"]
     params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -643,7 +647,10 @@ def _restore_optimizer(optimizer, folder: Path, param_groups):
     for index, moments in sorted(state.items()):
         if missing := [name for name in MOMENTS if name not in moments]:
             refuse(f"{file}: parameter {index} has no {'/'.join(missing)} (AdamW keeps {', '.join(MOMENTS)} for each)")
-    optimizer.load_state_dict({"state": state, "param_groups": param_groups})
+    # the schedule's place (lr) comes from the checkpoint; every other setting (betas, eps, weight decay,
+    # amsgrad, maximize, ...) is this run's: an edited state.json cannot turn descent into ascent
+    groups = [{**mine, **{k: given[k] for k in SCHEDULED if k in given}} for given, mine in zip(param_groups, current)]
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
 
 
 # ------------------------------------------------------------------ the loop
@@ -848,6 +855,7 @@ class GRPOTrainer:
         from glmkit.checkpoint import CheckpointError, open_checkpoint
         from glmkit.checkpoint.hf import read_header
         from glmkit.model import refuse_nonfinite_weights
+        from glmkit.rl.lora import adapter_state
 
         state = _read_state(folder)
         try:
@@ -859,6 +867,8 @@ class GRPOTrainer:
         except CheckpointError as err:
             raise ValueError(f"{err}; --resume cannot continue from it") from None
         tensors = self.policy.state_dict()  # checkpoint names; per-expert entries view the stacked experts
+        if self.lora_names:  # exactly this run's adapters: another key would overwrite a frozen base weight
+            _refuse_other_adapter(folder / "adapter.safetensors", loaded, adapter_state(self.policy))
         with torch.no_grad():
             for name, value in loaded.items():
                 tensors[name].copy_(value)
@@ -1352,6 +1362,26 @@ def append_row(stream, row: str) -> None:
     except BaseException:
         os.ftruncate(stream.fileno(), start)
         raise
+
+
+def _refuse_other_adapter(file: Path, loaded: dict, expected: dict) -> None:
+    """A saved adapter must hold exactly the run's adapter tensors, in their shapes and a floating-point
+    dtype: a missing one would restart from a fresh adapter unsaid, an extra one (a base weight's name)
+    would overwrite a frozen weight."""
+    missing = sorted(set(expected) - set(loaded))
+    extra = sorted(set(loaded) - set(expected))
+    shaped = [f"{k} {list(loaded[k].shape)} (expected {list(expected[k].shape)})" for k in sorted(set(loaded) & set(expected))
+              if loaded[k].shape != expected[k].shape]
+    typed = [f"{k} ({str(loaded[k].dtype).replace('torch.', '')})" for k in sorted(loaded)
+             if k in expected and not loaded[k].is_floating_point()]
+    problems = ([f"missing {', '.join(missing[:3])}" + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")]
+                if missing else []) + \
+               ([f"not an adapter of this run: {', '.join(extra[:3])}" + (f" and {len(extra) - 3} more" if len(extra) > 3 else "")]
+                if extra else []) + \
+               ([f"mis-shaped: {', '.join(shaped[:3])}"] if shaped else []) + ([f"not floating point: {', '.join(typed[:3])}"] if typed else [])
+    if problems:
+        raise ValueError(f"{file}: {'; '.join(problems)}; it is not the adapter this run saves (--lora-rank, "
+                         f"--target-modules and --exclude-modules as when it was saved); --resume cannot continue from it")
 
 
 class NonFiniteRun(RuntimeError):
