@@ -290,3 +290,24 @@ def test_sequences_shorter_than_one_indexer_pool_compare_on_every_path(seq_len, 
     for paths in ("reference,train", "train,rollout", "reference,rollout"):
         assert main(["parity", "--checkpoint", tiny, "--seq-len", str(seq_len), "--paths", paths]) == 0, paths
         assert "verdict: pass" in capsys.readouterr().out
+
+
+def test_nan_log_probs_behind_finite_hidden_states_fail():
+    """Hostile pass 15: a head weight of 3e38 left every hidden site finite and equal, and parity passed
+    (exit 0) with a NaN log-prob diff and NaN in its JSON. Log-probs that are NaN or infinite on either
+    side are judged, and fail there."""
+    from glmkit.parity.compare import compare
+    from glmkit.parity.dump import Capture
+
+    def capture(logprobs):
+        cap = Capture(torch.arange(3, 9), torch.tensor([0, 6]), manifest={"path": "x"})
+        cap.put(None, "final_hidden", torch.ones(6, 4))
+        cap.put(None, "logprobs", logprobs)
+        return cap
+
+    finite = torch.full((6,), -1.0)
+    assert compare(capture(finite), capture(finite.clone())).verdict == "pass"
+    broken = finite.clone()
+    broken[2] = float("nan")
+    result = compare(capture(finite), capture(broken))
+    assert result.verdict == "fail" and result.first_divergence.site == "logprobs"

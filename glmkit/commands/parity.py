@@ -6,6 +6,7 @@ from pathlib import Path
 
 from glmkit.commands.args import (DTYPES, DEVICES, _backends, _backend_arguments, _positive, _seed, _given_paths,
                                   _json_lock)
+from glmkit.report import json_safe
 
 
 def _parity_table(result) -> str:
@@ -114,7 +115,7 @@ def _parity(args) -> int:
         result.parameter_gradients = params
         print(_gradient_lines(acts, params))
         if args.json:
-            write_marked(args.json, json.dumps({"gradients": acts.to_json(), "parameter_gradients": params.to_json()},
+            write_marked(args.json, json.dumps(json_safe({"gradients": acts.to_json(), "parameter_gradients": params.to_json()}),
                                                indent=2), "JSON result")
         return 0 if acts.verdict == params.verdict == "pass" else 1
     result, cap_a, cap_b = parity(args.checkpoint, paths, args.checkpoint_b, args.seq_len, args.batch, args.dtype,
@@ -143,7 +144,7 @@ def _parity(args) -> int:
     if result.gradients is not None or result.parameter_gradients is not None:
         print(_gradient_lines(result.gradients, result.parameter_gradients))
     if args.json:
-        write_marked(args.json, json.dumps(result.to_json(), indent=2), "JSON result")
+        write_marked(args.json, json.dumps(json_safe(result.to_json()), indent=2, allow_nan=False), "JSON result")
     if args.save_captures:
         from glmkit.parity.dump import save_capture
 

@@ -143,7 +143,9 @@ def compare(a: Capture, b: Capture, dtype: str = "float32", thresholds: dict | N
                      f"compared (a dump's dims annotation that does not match the model?)" for k in mismatched]
     # a path that reports no hidden states (a server: log-probs, experts, selections) is judged on its
     # log-probs; elsewhere they are the diff metric only, the hidden sites before them carry the verdict
-    judge_logprobs = not [k for k in common if k[1] not in (*INDEX_SITES, *AUX_SITES, "logprobs")]
+    # (and anywhere they are NaN or infinite: finite hidden states ahead of an overflowing head must not pass)
+    judge_logprobs = not [k for k in common if k[1] not in (*INDEX_SITES, *AUX_SITES, "logprobs")] or not all(
+        bool(c.tensors[(None, "logprobs")].isfinite().all()) for c in (a, b) if (None, "logprobs") in c.tensors)
     for layer, site in common:
         if (site == "logprobs" and not judge_logprobs) or site in AUX_SITES:
             continue
