@@ -204,3 +204,15 @@ def test_a_batch_that_runs_out_of_memory_is_answered_503_and_the_server_goes_on(
         monkeypatch.setattr(service, "run_prompt_only", real)
         served = client.post("/generate", json=body)
         assert served.status_code == 200 and len(served.json()["meta_info"]["input_token_logprobs"]) == 4
+
+
+def test_a_model_row_past_the_clamp_answers_null_not_a_made_up_log_prob():
+    """Hostile pass 15: a finite model logit of -6.6e37 (weights that overflow, short of inf) was clamped
+    with its neighbours to one value: greedy took the lowest id of the tie and answered log(1/#ties).
+    Such a row is broken as a non-finite one is: its log-prob is NaN (null in the answer); a bias past the
+    clamp stays the request's own and is sampled as before."""
+    logits = torch.zeros(2, V)
+    logits[0, :V // 2] = -6.6e37
+    logits[0, V // 2:] = -4.8e37
+    tokens, logprobs = RequestSampler().choose(logits, [state(seed=1), state(seed=2)], [[], []])
+    assert math.isnan(logprobs[0]) and not math.isnan(logprobs[1]) and all(0 <= t < V for t in tokens)

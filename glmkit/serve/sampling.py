@@ -41,6 +41,9 @@ class RequestState:
         self.matched = None
 
 
+LOGIT_CLAMP = 1e30  # a biased or penalised logit is clamped here, so no row turns inf / NaN
+
+
 class RequestSampler:
     """`SlotBatch`'s sampler: `choose` draws one token per row, `finish` says whether a request ends."""
 
@@ -52,9 +55,10 @@ class RequestSampler:
         """logits [R, V] of the rows, their RequestStates and output token lists -> (tokens, log-probs)."""
         logits = logits.float().clone()
         rows, vocab = logits.shape
-        # the model's own row is not finite (weights that overflow): a token is still drawn (from the
-        # clamped row below), but its log-probs are NaN, answered as null, never log(1/V) made up
-        broken = ~torch.isfinite(logits).all(-1)
+        # the model's own row is not finite, or past the clamp below (weights that overflow): a token is
+        # still drawn (from the clamped row), but its log-probs are NaN, answered as null, never made up
+        # from the ties the clamp leaves (log(1/V), or log(1/#ties))
+        broken = ~(torch.isfinite(logits) & (logits.abs() <= LOGIT_CLAMP)).all(-1)
         for i, (st, out) in enumerate(zip(states, outputs)):
             s = st.sampling
             for token, bias in s.logit_bias:
@@ -70,7 +74,7 @@ class RequestSampler:
             if len(st.prior) + len(out) < s.min_new_tokens and st.min_blocked:
                 logits[i, st.min_blocked] = float("-inf")
         # a huge bias or penalty must not turn a row into inf / NaN (nor fail the rows batched with it)
-        logits = logits.nan_to_num(nan=-1e30, posinf=1e30, neginf=-1e30).clamp(-1e30, 1e30)
+        logits = logits.nan_to_num(nan=-LOGIT_CLAMP, posinf=LOGIT_CLAMP, neginf=-LOGIT_CLAMP).clamp(-LOGIT_CLAMP, LOGIT_CLAMP)
         temps = torch.tensor([1.0 if st.sampling.greedy else st.sampling.temperature for st in states],
                              device=logits.device)
         logp = torch.log_softmax(logits / temps[:, None], -1)
