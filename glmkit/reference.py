@@ -24,8 +24,14 @@ def load_reference(path, dtype: torch.dtype = torch.float32, device="cpu"):
     from transformers import Glm5NextForConditionalGeneration
 
     from glmkit.checkpoint import open_checkpoint
+    from glmkit.config import layer_kinds
 
     config = open_checkpoint(path).config
+    if "dsa" not in layer_kinds(config):  # its cache reads the sequence length from an attention layer
+        raise ValueError(f"{path}: the transformers reference needs at least one DSA layer (its cache takes the "
+                         f"sequence length from one); this checkpoint's {config.num_hidden_layers} layers are all "
+                         f"KDA (a slice of fewer layers than the first DSA layer's index?); compare it with "
+                         f"glmkit parity --paths train,rollout")
     if config.n_routed_experts < 2:  # its router scores expert groups by their best two experts
         raise ValueError(f"the transformers reference needs n_routed_experts >= 2 (its router takes the top-2 "
                          f"experts of each group); this checkpoint has {config.n_routed_experts}")

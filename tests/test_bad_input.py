@@ -1418,3 +1418,20 @@ def test_a_state_step_that_does_not_follow_its_folder_is_refused(tmp_path):
         with pytest.raises(ValueError, match=rf"state.json: step {step} does not match its folder iter_0000004 "
                                              rf"\(the checkpoint of rollout 4 records step 4\)"):
             _read_state(folder)
+
+
+def test_a_checkpoint_without_a_dsa_layer_is_refused_before_the_reference_runs(tiny_ckpt, tmp_path, capsys):
+    """Hostile pass 15: `ckpt slice --layers 3` of the tiny model (its DSA layer is the 4th) is a valid
+    checkpoint, and check / parity against the reference ended in exit 3 after the greedy rollout
+    (transformers' cache reads the length from an attention layer). Refused when the reference loads."""
+    from glmkit.checkpoint import slice_checkpoint
+    from glmkit.cli import main as cli_main
+
+    sliced = slice_checkpoint(tiny_ckpt, 3, tmp_path / "s3", progress=False)
+    assert cli_main(["check", "--checkpoint", str(sliced), "--out", str(tmp_path / "c")]) == 2
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]  # (after the stage bar's line)
+    assert last.startswith("glmkit check: error: ") and "the reference needs" not in err[:err.index(last)], err
+    assert "the transformers reference needs at least one DSA layer" in last and "Traceback" not in err, err
+    assert cli_main(["parity", "--checkpoint", str(sliced), "--paths", "train,rollout", "--seq-len", "8",
+                     "--batch", "1"]) == 0
