@@ -1075,6 +1075,8 @@ def test_config_numbers_every_forward_uses_are_checked_at_load(tiny_ckpt, tmp_pa
 @pytest.mark.parametrize("name, value, reason", [
     ("hc_sinkhorn_iters", 10**9, r"hc_sinkhorn_iters must be an integer in 1\.\.1000, got 1000000000"),
     ("hc_sinkhorn_iters", 0, r"hc_sinkhorn_iters must be an integer in 1\.\.1000, got 0"),
+    # hostile pass 15: without layer_types, transformers' config took minutes over 10**6 layers
+    ("num_hidden_layers", 10**6, r"num_hidden_layers must be an integer in 1\.\.10000, got 1000000"),
     ("index_topk", 10**9, r"index_topk must be an integer in 1\.\.\d+, got 1000000000"),
     ("pad_token_id", 5000, r"pad_token_id must be a token id below vocab_size \d+ \(or null\), got 5000"),
     ("swiglu_limit", float("nan"), r"swiglu_limit must be a positive finite number \(or null\), got nan")])
@@ -1087,6 +1089,9 @@ def test_config_counts_that_size_every_forward_are_bounded_at_load(tiny_ckpt, tm
     bad = copy_ckpt(tiny_ckpt, tmp_path / "bad")
     config = json.loads((bad / "config.json").read_text())
     config["text_config"][name] = value
+    if name == "num_hidden_layers":  # as in pass 15: the per-layer lists left to transformers to build
+        for key in ("layer_types", "mlp_layer_types", "indexer_types"):
+            config["text_config"].pop(key, None)
     (bad / "config.json").write_text(json.dumps(config))
     with pytest.raises(CheckpointError, match=reason):
         open_checkpoint(bad)
@@ -1435,3 +1440,21 @@ def test_a_checkpoint_without_a_dsa_layer_is_refused_before_the_reference_runs(t
     assert "the transformers reference needs at least one DSA layer" in last and "Traceback" not in err, err
     assert cli_main(["parity", "--checkpoint", str(sliced), "--paths", "train,rollout", "--seq-len", "8",
                      "--batch", "1"]) == 0
+
+
+@pytest.mark.parametrize("name, value, needle", [
+    ("routed_scaling_factor", 2, "Field 'routed_scaling_factor' expected float, got int (value: 2)"),
+    ("index_kpool", "4", "index_kpool"),
+])
+def test_a_config_transformers_refuses_is_one_line(tiny_ckpt, tmp_path, capsys, name, value, needle):
+    """Hostile pass 15: transformers' validation errors came out as two lines ("Validation error for
+    field ...:" and the reason's), against the one-line contract."""
+    from glmkit.cli import main as cli_main
+
+    bad = copy_ckpt(tiny_ckpt, tmp_path / "bad")
+    config = json.loads((bad / "config.json").read_text())
+    config["text_config"][name] = value
+    (bad / "config.json").write_text(json.dumps(config))
+    assert cli_main(["ckpt", "info", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and needle in err and err.startswith("glmkit ckpt: error: "), err

@@ -138,10 +138,16 @@ def text_config_from_json(raw: dict, file: Path) -> Glm5NextTextConfig:
     vocab = fields.get("vocab_size", 1)  # checked first: transformers warns of every token id past a bad one
     if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 1:
         raise CheckpointError(f"{file}: vocab_size must be a positive integer, got {vocab!r}")
+    layers = fields.get("num_hidden_layers", 1)  # transformers builds layer_types in time quadratic in it
+    if isinstance(layers, int) and not isinstance(layers, bool) and layers > MAX_LAYERS:
+        raise CheckpointError(f"{file}: num_hidden_layers must be an integer in 1..{MAX_LAYERS}, got {layers}")
     try:
         config = Glm5NextTextConfig.from_dict(fields)
     except Exception as e:  # strict-dataclass and architecture validation errors
-        raise CheckpointError(f"{file}: invalid glm5_next text config: {e}") from e
+        # transformers' text is a "Validation error for field ...:" line and the reason's: one line here
+        reason = ": ".join(line.strip().rstrip(":") for line in str(e).splitlines() if line.strip()) or type(e).__name__
+        raise CheckpointError(f"{file}: invalid glm5_next text config: "
+                              f"{reason[:400] + ' ...' if len(reason) > 400 else reason}") from e
     _check_sizes(config, file)
     return config
 
@@ -245,6 +251,7 @@ def _check_expert_groups(config, file: Path) -> None:
                               f"experts of the topk_group {kept} groups kept (n_group {groups})")
 
 
+MAX_LAYERS = 10_000  # the recipe's model has 45; 10**6 kept transformers' config busy for minutes
 MAX_SINKHORN_ITERS = 1000  # the model's 20, with room for experiments
 
 MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit on the JSON header
