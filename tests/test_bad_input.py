@@ -912,6 +912,18 @@ def test_resume_refuses_an_iteration_that_is_a_symlink(tmp_path):
     (save / "latest_checkpointed_iteration.txt").write_text("3")
     with pytest.raises(ValueError, match=r"iter_0000003 is a symbolic link .*--resume continues only"):
         _latest(TrainConfig(checkpoint="c", prompt_data="p", save=str(save)))
+    # hostile pass 15: without the marker, iter_* there were ignored and a new run started beside them;
+    # an iter_* that is a file was said not to exist
+    (save / "iter_0000003").unlink()
+    (save / "iter_0000003").write_text("not a folder")
+    with pytest.raises(ValueError, match=r"iter_0000003 is not a directory$"):
+        _latest(TrainConfig(checkpoint="c", prompt_data="p", save=str(save)))
+    (save / "latest_checkpointed_iteration.txt").unlink()
+    with pytest.raises(ValueError, match=r"holds iter_0000003 but no latest_checkpointed_iteration.txt .* --resume "
+                                         r"cannot tell which is whole"):
+        _latest(TrainConfig(checkpoint="c", prompt_data="p", save=str(save)))
+    (save / "iter_0000003").unlink()
+    assert _latest(TrainConfig(checkpoint="c", prompt_data="p", save=str(save))) is None  # nothing saved yet
 
 
 def test_marker_files_keep_names_that_are_not_utf8(tmp_path):

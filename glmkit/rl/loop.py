@@ -350,6 +350,11 @@ def _save_checkpoint(cfg, state: TrainState | int, policy, optimizer, lora_names
 def _latest(cfg) -> Path | None:
     marker = Path(cfg.save) / "latest_checkpointed_iteration.txt" if cfg.save else None
     if marker is None or not (marker.exists() or marker.is_symlink()):
+        saved = sorted(p.name for p in Path(cfg.save).glob("iter_*")) if cfg.save and Path(cfg.save).is_dir() else []
+        if saved:  # checkpoints without the marker a finished save writes last: not a fresh start
+            raise ValueError(f"--save {cfg.save} holds {', '.join(saved[-3:])} but no latest_checkpointed_iteration.txt "
+                             f"(the marker each finished save writes last); --resume cannot tell which is whole: "
+                             f"write the number of the one to continue from there, or pass --overwrite to start over")
         return None
     text = read_marker(marker)
     if not (text.isascii() and text.isdigit()):
@@ -360,7 +365,8 @@ def _latest(cfg) -> Path | None:
         raise ValueError(f"{folder} is a symbolic link (to {os.readlink(folder)}); --resume continues only from a "
                          f"checkpoint directory this run's --save holds")
     if not folder.is_dir():
-        raise ValueError(f"{marker} names iteration {int(text)} but {folder} does not exist")
+        what = "is not a directory" if folder.exists() else "does not exist"
+        raise ValueError(f"{marker} names iteration {int(text)} but {folder} {what}")
     return folder
 
 
