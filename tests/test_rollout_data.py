@@ -459,3 +459,22 @@ def test_ids_from_the_file_cannot_write_to_the_terminal(rollout_file, tmp_path, 
     out = capsys.readouterr().out
     assert "\x1b" not in out and [line for line in out.splitlines() if line.startswith("verdict:")] == ["verdict: fail"]
     assert "(rollout '\\x1b[31mX\\n\\nverdict: pass'" in out and "'\\x1b[2Jwiped'" in out
+
+
+def test_a_checkpoint_whose_reference_log_probs_overflow_is_refused_naming_its_weight(rollout_file, tmp_path):
+    """Hostile pass 15: with a final norm of 3e38 the reference's log-probs were all NaN, and the table
+    said the engine agreed exactly and blamed the trainer. The yardstick itself failing is bad input
+    (exit 2), naming the weight where the overflow most likely starts."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "ck"
+    shutil.copytree(CKPT, bad)
+    tensors = load_file(str(bad / "model.safetensors"))
+    tensors["model.language_model.norm.weight"][:] = 3e38
+    save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"the reference's log-probs of samples\[0\] are NaN or infinite \(\d+ of \d+\): "
+                                         r"the checkpoint's weights overflow the forward \(its largest \|weight\| is "
+                                         r"3.0e\+38 in model.language_model.norm.weight\); neither side can be judged"):
+        attribute(load_rollout_data(rollout_file), bad, progress=False)

@@ -52,17 +52,18 @@ def refuse_nonfinite_weights(model: Glm5Model, path) -> None:
                                   f"infinite value(s) of {view.numel()}; a checkpoint's weights must be finite")
 
 
-def largest_weight(model: torch.nn.Module) -> str:
+def largest_weight(model: torch.nn.Module, key=checkpoint_key) -> str:
     """Where the model's largest |weight| is, as a phrase ("3.0e+38 in KEY"): a finite weight that large
     overflows the forward (bf16 and fp32 end at ~3.4e38), so it is where NaN outputs most likely start.
-    A NaN counts as the largest (it is the first thing to name)."""
+    A NaN counts as the largest (it is the first thing to name). `key`: a parameter name -> the
+    checkpoint's (the identity for the transformers reference, whose names are the checkpoint's)."""
     best, where = -1.0, ""
     for name, tensor in model.state_dict().items():
         if tensor.is_floating_point() and tensor.numel():
             pieces = tensor.detach().reshape(-1).split(1 << 24)
             peak = torch.stack([p.float().abs().amax() for p in pieces]).amax().item()  # amax keeps a NaN
             if not peak <= best:
-                best, where = peak, checkpoint_key(name)
+                best, where = peak, key(name)
     return f"{best:.1e} in {where}" if where else "no floating-point weights"
 
 

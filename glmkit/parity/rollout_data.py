@@ -437,6 +437,13 @@ def attribute(data: RolloutData, checkpoint, device: str = "cpu", dtype: torch.d
         start = s.prompt_length
         with torch.no_grad():
             ref = reference_response_logprobs(reference, s.tokens, start, temperature)
+            if not all(math.isfinite(v) for v in ref):  # the yardstick itself: nothing can be judged against it
+                from glmkit.model import largest_weight
+
+                raise ValueError(f"{checkpoint}: the reference's log-probs of samples[{s.position}] are NaN or "
+                                 f"infinite ({sum(not math.isfinite(v) for v in ref)} of {len(ref)}): the checkpoint's "
+                                 f"weights overflow the forward (its largest |weight| is "
+                                 f"{largest_weight(reference, key=str)}); neither side can be judged")
             if trainer is not None:
                 train = trainer.forward([s.tokens], temperature=temperature).logprobs[start - 1:len(s.tokens) - 1]
                 train = train.float().cpu().tolist()
