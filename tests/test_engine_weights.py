@@ -132,6 +132,10 @@ def test_nan_in_the_engine_is_a_finding_answered_as_null(tmp_path):
         report = verify_engine(CKPT, server.url, sample=0, progress=False)
         assert [r["name"] for r in report.differing] == [norm] and report.differing[0]["differing"] == 1
         assert report.differing[0]["cause"].startswith("non-finite")
+        # hostile pass 15: against the checkpoint that holds the same NaN it passed (null matched NaN)
+        same = verify_engine(poisoned_dir, server.url, sample=0, progress=False)
+        assert not same.differing and same.nonfinite == [{"name": norm, "count": 1, "numel": 64}] and not same.passed
+        assert f"not finite: {norm}: the engine holds 1 NaN or infinite values" in same.text()
         SGLangClient(server.url).update_weights_from_tensor({"norm.weight": ckpt.get(norm)})
         assert verify_engine(CKPT, server.url, sample=0, progress=False).passed
     finally:

@@ -50,10 +50,11 @@ class EngineReport:
     differing: list = field(default_factory=list)    # {"name", "max_abs_diff", "differing", "numel", "cause"}
     misshaped: list = field(default_factory=list)    # {"name", "shape", "expected"}
     unavailable: list = field(default_factory=list)  # {"name", "reason"}: the engine did not answer for it
+    nonfinite: list = field(default_factory=list)    # {"name", "count", "numel"}: NaN / inf held (null answered)
 
     @property
     def passed(self) -> bool:
-        return not (self.differing or self.misshaped or self.unavailable)
+        return not (self.differing or self.misshaped or self.unavailable or self.nonfinite)
 
     @property
     def verdict(self) -> str:
@@ -62,7 +63,7 @@ class EngineReport:
     def to_json(self) -> dict:
         return {"verdict": self.verdict, "url": self.url, "hf": self.hf, "rows": self.rows, "sampled": self.sampled,
                 "matched": self.matched, "differing": self.differing, "misshaped": self.misshaped,
-                "unavailable": self.unavailable}
+                "unavailable": self.unavailable, "nonfinite": self.nonfinite}
 
     def text(self) -> str:
         rounded = {}
@@ -72,12 +73,16 @@ class EngineReport:
                  f"  {self.sampled} tensors asked for, {len(self.matched)} match"
                  + (f" ({', '.join(f'{n} as {k}' for k, n in rounded.items())})" if rounded else "")
                  + f"; {len(self.differing)} differing, {len(self.misshaped)} mis-shaped, "
-                   f"{len(self.unavailable)} not answered"]
+                   f"{len(self.unavailable)} not answered"
+                 + (f", {len(self.nonfinite)} holding NaN or inf" if self.nonfinite else "")]
         for row in self.differing:
             lines.append(f"  differing: {row['name']}: {row['differing']} of {row['numel']} elements, max |diff| "
                          f"{row['max_abs_diff']:.3g}" + (f": likely {row['cause']}" if row["cause"] else ""))
         for row in self.misshaped:
             lines.append(f"  mis-shaped: {row['name']}: engine {row['shape']}, checkpoint {row['expected']}")
+        for row in self.nonfinite[:10]:
+            lines.append(f"  not finite: {row['name']}: the engine holds {row['count']} NaN or infinite values in the "
+                         f"{row['numel']} answered (null in its answer; no forward of them is finite)")
         for row in self.unavailable[:10]:
             lines.append(f"  not answered: {row['name']}: {row['reason']}")
         if len(self.unavailable) > 10:
@@ -124,6 +129,8 @@ def verify_engine(hf, url: str, sample: int = 64, rows: int = 100, seed: int = 0
         except (TypeError, ValueError) as err:
             report.unavailable.append({"name": name, "reason": f"the answer is not a tensor ({err})"})
             continue
+        if bad := int((~got.isfinite()).sum()):  # matching or not (a bf16 cast of 3.4e38 is inf): a finding
+            report.nonfinite.append({"name": name, "count": bad, "numel": got.numel()})
         if got.dim() == expected.dim() + 1 and got.shape[1:] == expected.shape and got.shape[0] > 0:
             # SGLang with data parallelism answers one copy per DP rank: every copy must hold the weights
             copies = [_match(copy, expected) for copy in got]
