@@ -231,6 +231,21 @@ def check_file_out(path, flag: str | None = None) -> Path:
     return path
 
 
+def _refuse_unwritable(folder: Path | None, flag: str | None, given) -> None:
+    """A folder outputs go into that takes no new file (a read-only file system, no write permission) is
+    the environment's error, named before any work rather than after it."""
+    import errno
+
+    if folder is None or os.access(folder, os.W_OK | os.X_OK):
+        return
+    try:
+        read_only = bool(os.statvfs(folder).f_flag & os.ST_RDONLY)
+    except OSError:
+        read_only = False
+    code = errno.EROFS if read_only else errno.EACCES
+    raise OSError(code, f"{_prefix(flag, given)}: {os.strerror(code).lower()} where it would be written", str(folder))
+
+
 def check_dir_out(path, flag: str | None = None, overwrite: bool | None = False, whole: bool = True) -> Path:
     """An output directory, as an absolute path (so `.` has a name and a parent).
 
@@ -244,9 +259,14 @@ def check_dir_out(path, flag: str | None = None, overwrite: bool | None = False,
         raise ValueError(f"{_prefix(flag, path)}: exists and is not a directory")
     _check_ancestors(target, flag)
     if not whole:
+        _refuse_unwritable(target if target.is_dir() else None, flag, path)
         return target
     if target.is_symlink():  # the swap would replace the link, not the directory it points to
         raise ValueError(f"{_prefix(flag, path)}: is a symbolic link; name the directory itself")
+    if target.is_dir() and os.path.ismount(target):  # nothing can be renamed over a mount point (EBUSY)
+        raise ValueError(f"{_prefix(flag, path)}: is a mount point; glmkit writes a new folder beside the target and "
+                         f"renames it into place, which a mount point cannot take: give a folder inside it")
+    _refuse_unwritable(target.parent if target.parent.is_dir() else None, flag, path)
     # the swap renames the target away: never the directory we (or the shell) stand in, nor an ancestor
     real, cwd = target.resolve(), Path.cwd().resolve()
     if real == Path(real.anchor) or real == cwd or real in cwd.parents:

@@ -600,3 +600,32 @@ def test_an_output_in_a_folder_that_takes_no_files_names_its_flag():
     with pytest.raises(ValueError, match=r"^--json /proc/self/x.json: no file can be made in /proc/\d+ "
                                          r"\(No such file or directory\); give a path in a writable folder$"):
         RunLock("/proc/self/x.json", "--json").__enter__()
+
+
+def test_an_output_folder_that_takes_no_files_or_is_a_mount_point_is_named_before_work(tmp_path, monkeypatch):
+    """Hostile pass 15: `train --save` on a read-only mount trained the whole run and failed at its first
+    save (its metrics left beside no checkpoint); `ckpt synth --out` on a mount point did all the work
+    and then failed to rename over it (EBUSY, exit 3). Both are named by check_dir_out, up front: the
+    read-only folder as the environment's error (exit 4), the mount point as bad input (exit 2). (The
+    file system's answers are stood in for: mounting needs root, and root writes anywhere.)"""
+    import errno
+    import os
+
+    from glmkit.outputs import check_dir_out
+
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: False if Path(p) == folder else real_access(p, mode))
+    monkeypatch.setattr(os, "statvfs", lambda p: type("V", (), {"f_flag": os.ST_RDONLY})())
+    with pytest.raises(OSError) as raised:
+        check_dir_out(folder, "--save", whole=False)
+    assert raised.value.errno == errno.EROFS and "--save" in str(raised.value) and raised.value.filename == str(folder)
+    with pytest.raises(OSError, match="--out"):
+        check_dir_out(folder / "new", "--out")  # written beside the target: its parent must take files
+    monkeypatch.setattr(os, "access", real_access)
+    assert check_dir_out(folder, "--save", whole=False) == folder
+    monkeypatch.setattr(os.path, "ismount", lambda p: Path(p) == folder)
+    with pytest.raises(ValueError, match=r"--out .*ro: is a mount point; .* give a folder inside it"):
+        check_dir_out(folder, "--out")
+    assert check_dir_out(folder / "inside", "--out") == folder / "inside"
