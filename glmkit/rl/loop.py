@@ -1380,11 +1380,13 @@ def _refuse_other_adapter(file: Path, loaded: dict, expected: dict) -> None:
               if loaded[k].shape != expected[k].shape]
     typed = [f"{k} ({str(loaded[k].dtype).replace('torch.', '')})" for k in sorted(loaded)
              if k in expected and not loaded[k].is_floating_point()]
-    problems = ([f"missing {', '.join(missing[:3])}" + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")]
-                if missing else []) + \
-               ([f"not an adapter of this run: {', '.join(extra[:3])}" + (f" and {len(extra) - 3} more" if len(extra) > 3 else "")]
-                if extra else []) + \
-               ([f"mis-shaped: {', '.join(shaped[:3])}"] if shaped else []) + ([f"not floating point: {', '.join(typed[:3])}"] if typed else [])
+
+    def listed(names: list) -> str:
+        return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+    problems = [f"{what}{listed(names)}" for what, names in (("missing ", missing), ("not an adapter of this run: ", extra),
+                                                               ("mis-shaped: ", shaped), ("not floating point: ", typed))
+                if names]
     if problems:
         raise ValueError(f"{file}: {'; '.join(problems)}; it is not the adapter this run saves (--lora-rank, "
                          f"--target-modules and --exclude-modules as when it was saved); --resume cannot continue from it")
