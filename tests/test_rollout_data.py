@@ -478,3 +478,15 @@ def test_a_checkpoint_whose_reference_log_probs_overflow_is_refused_naming_its_w
                                          r"the checkpoint's weights overflow the forward \(its largest \|weight\| is "
                                          r"3.0e\+38 in model.language_model.norm.weight\); neither side can be judged"):
         attribute(load_rollout_data(rollout_file), bad, progress=False)
+
+
+@pytest.mark.parametrize("value", [float("nan"), 2, 0.5, -1])
+def test_a_loss_mask_that_is_not_zero_or_one_is_named(rollout_file, tmp_path, capsys, value):
+    """Hostile pass 15: a loss_mask of NaN or 2 was read as truthy, counted, and the sample passed."""
+    raw = torch.load(rollout_file, weights_only=False)
+    raw["samples"][1]["loss_mask"][3] = value
+    path = tmp_path / "mask.pt"
+    torch.save(raw, path)
+    with pytest.raises(ValueError, match=rf"samples\[1\]\.loss_mask\[3\] is {re.escape(repr(float(value)))}; a loss "
+                                         rf"mask holds 0 or 1 per response token"):
+        load_rollout_data(path)

@@ -206,8 +206,8 @@ def load_rollout_data(path, vocab_size: int | None = None) -> RolloutData:
             raise ValueError(f"{where}.tokens: token id {bad} is outside the checkpoint's vocabulary of {vocab_size}")
         engine = once(s["rollout_log_probs"], ("log-probs", length),
                       lambda: _float_list(s["rollout_log_probs"], length, f"{where}.rollout_log_probs"))
-        mask = [1] * length if s.get("loss_mask") is None else once(s["loss_mask"], ("mask", length), lambda: [
-            int(bool(v)) for v in _float_list(s["loss_mask"], length, f"{where}.loss_mask", bools=True)])
+        mask = [1] * length if s.get("loss_mask") is None else once(
+            s["loss_mask"], ("mask", length), lambda: _mask_list(s["loss_mask"], length, f"{where}.loss_mask"))
         reward = s.get("reward")
         samples.append(RolloutSample(k, _plain(s.get("index"), f"{where}.index"),
                                      _plain(s.get("group_index"), f"{where}.group_index"),
@@ -360,6 +360,16 @@ def _label(value, limit: int = 40) -> str:
     if not text.isprintable():
         text = repr(text)
     return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _mask_list(value, length: int, where: str) -> list[int]:
+    """A loss mask: one 0 or 1 (or bool) per response token, as the framework builds it; a NaN, a 2 or a
+    0.5 is refused by position (read as truthy it would have been counted)."""
+    values = _float_list(value, length, where, bools=True)
+    odd = next(((k, v) for k, v in enumerate(values) if v not in (0, 1)), None)
+    if odd is not None:
+        raise ValueError(f"{where}[{odd[0]}] is {odd[1]!r}; a loss mask holds 0 or 1 per response token")
+    return [int(v) for v in values]
 
 
 def _mean_cell(mean: float, nonfinite: int) -> str:
